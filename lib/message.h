@@ -1,0 +1,104 @@
+/* One message of a conversation log: id, role, contents, metadata and version, and
+ * its conversion to the message map of semantics.md ("Mapping the log"). */
+#ifndef CONVO_MESSAGE_H
+#define CONVO_MESSAGE_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error.h"
+#include "ulid.h"
+
+enum role { ROLE_USER = 0, ROLE_ASSISTANT, ROLE_SUMMARY };
+
+enum timing_key {
+	TIMING_CREATION = 0,
+	TIMING_PLAY_START,
+	TIMING_PLAY_END,
+	TIMING_LISTEN_START,
+	TIMING_LISTEN_END,
+	TIMING_LLM_START,
+	TIMING_LLM_END,
+	TIMING_COUNT,
+};
+
+/* Who keeps track of which version of each message it has taken (see convo_take). */
+enum consumer {
+	CONSUMER_CLIENT = 0, /* incremental to_messages_map of clients */
+	CONSUMER_SINK,       /* the flusher's snapshots towards DynamoDB / the spool */
+	CONSUMER_STORE,      /* the local store's group commit */
+	CONSUMER_COUNT,
+};
+
+/* One content string; may hold NUL bytes, bytes[len] is always NUL. */
+struct text {
+	uint32_t len;
+	char bytes[];
+};
+
+struct message {
+	char id[ULID_LEN + 1];
+	uint8_t role;           /* enum role */
+	bool fake;              /* attribute starts with "fake" */
+	uint32_t merges;        /* number of "merged" entries in attribute */
+	uint32_t version;       /* 1 at creation, +1 per real change */
+	uint32_t ncontents;
+	struct text **contents; /* ncontents owned strings */
+	int64_t timing[TIMING_COUNT]; /* Unix ms; -1 = unset; timing[TIMING_CREATION] always set */
+	json_t *aux;            /* owned object, or NULL when unset (never an empty object) */
+	uint32_t nsummary_ids;
+	char (*summary_ids)[ULID_LEN + 1]; /* summaries only; owned */
+	int64_t updated_ms;     /* Unix ms of the last change */
+	uint32_t seen[CONSUMER_COUNT]; /* version each consumer last took; 0 = never */
+};
+
+/* Wire names. */
+const char *message_role_str(enum role r);
+const char *message_timing_str(enum timing_key k);
+/* Returns the key for a wire name, or -1. */
+int message_timing_key(const char *name);
+
+/* New message with the given id, role, creation time and no contents; caller frees with
+ * message_free. NULL on allocation failure. */
+struct message *message_new(const char *id, enum role role, int64_t creation_ms);
+void message_free(struct message *m); /* accepts NULL */
+
+/* Appends a copy of s[0..len) to m's contents. 0 or -ENOMEM (m unchanged). */
+int message_append_text(struct message *m, const char *s, size_t len);
+
+/* Sum of the byte lengths of m's contents. */
+size_t message_text_bytes(const struct message *m);
+
+/* The message map of semantics.md: {"id","message":{"role","contents"},"metadata":{...}},
+ * unset metadata fields absent. New reference, NULL on allocation failure. */
+json_t *message_to_map(const struct message *m);
+
+/* Validated metadata of a request, ready to be applied without failing. */
+struct metadata_patch {
+	int64_t timing[TIMING_COUNT]; /* -1 = not given; [TIMING_CREATION] is never given */
+	json_t *aux;                  /* borrowed object of aux keys to set (null value = remove), or NULL */
+};
+
+/* Checks `timing` and `aux` (each may be NULL = absent) against semantics.md's
+ * set_metadata rules: timing is an object of known keys except creation with integer
+ * values >= 0; aux is an object. `where` prefixes field names in error messages
+ * ("metadata." or ""). Fills p (aux borrowed from the argument). ERR_OK or ERR_BAD_REQUEST. */
+enum error_code message_patch_parse(const json_t *timing, const json_t *aux, const char *where,
+				    struct metadata_patch *p, struct error *err);
+
+/* Would applying p change m? */
+bool message_patch_changes(const struct message *m, const struct metadata_patch *p);
+
+/* Applies p to m (timing keys set, aux keys set or removed; aux becomes NULL when it ends
+ * up empty). Does not touch version or updated_ms. 0, or -ENOMEM with m unchanged (the new
+ * aux is built aside and swapped in). */
+int message_patch_apply(struct message *m, const struct metadata_patch *p);
+
+/* Rebuilds a message from its map (as stored by the local store or read back from
+ * DynamoDB) with the given version. Caller frees *out. ERR_OK or ERR_BAD_REQUEST. */
+enum error_code message_from_map(const json_t *map, uint32_t version, struct message **out,
+				 struct error *err);
+
+#endif
