@@ -41,7 +41,8 @@ struct convo {
 struct convo *convo_new(const char *id, size_t id_len);
 void convo_free(struct convo *c); /* accepts NULL; frees every message */
 
-/* Index of the message with that id, or -1. */
+/* Index of the message with that id, or -1. A binary search (ids increase in log order);
+ * a summary is found by a short walk back from where its id would sort. */
 long convo_find(const struct convo *c, const char *id, size_t id_len);
 
 /* Adds contents (texts[i] of lens[i] bytes; blank ones already dropped by the caller, at
@@ -51,7 +52,9 @@ long convo_find(const struct convo *c, const char *id, size_t id_len);
  * resulting message; a new message gets version 1 with the patch, a merge increments the
  * version once. Limits: ERR_TOO_LARGE when the log would exceed max_messages or
  * max_bytes. On success *out is the resulting message (borrowed, valid until the next
- * mutation of c) and *merged says whether it was a merge. On failure c is unchanged. */
+ * mutation of c) and *merged says whether it was a merge. On failure c is unchanged.
+ * New ids are kept above every id of c: a conversation restored with ids ahead of
+ * env->ulid (another host's clock) moves the generator forward past them. */
 enum error_code convo_add(struct convo *c, const struct convo_env *env, enum role role,
 			  const char *const *texts, const size_t *lens, size_t ntexts,
 			  const struct metadata_patch *patch, struct message **out, bool *merged,
@@ -75,7 +78,9 @@ json_t *convo_summary_info(const struct convo *c, const struct summary_format *f
 /* add_summary: validates ids (and versions when nversions != 0, same count as ids) as
  * semantics.md says, returning ERR_BAD_REQUEST (could never be valid) or ERR_CONFLICT (no
  * longer valid) with c unchanged, or inserts the summary after the last named message,
- * moves the positions and sets *out (borrowed). texts as for convo_add. */
+ * moves the positions and sets *out (borrowed). texts as for convo_add. ERR_TOO_LARGE
+ * (limits) is checked first, then ERR_BAD_REQUEST wins over ERR_CONFLICT. Cost: one
+ * convo_find per id, plus moving the messages after the insertion point. */
 enum error_code convo_add_summary(struct convo *c, const struct convo_env *env,
 				  const char *const *texts, const size_t *lens, size_t ntexts,
 				  const char *const *ids, size_t nids, const int64_t *versions,
@@ -85,7 +90,7 @@ enum error_code convo_add_summary(struct convo *c, const struct convo_env *env,
 struct message *convo_last_summary(const struct convo *c);
 
 /* set_metadata on message index i: applies patch, version+1 and updated_ms only if it
- * changes something. ERR_OK or ERR_INTERNAL (ENOMEM; c unchanged). */
+ * changes something. ERR_OK or ERR_INTERNAL (ENOMEM, or i out of range; c unchanged). */
 enum error_code convo_set_metadata(struct convo *c, const struct convo_env *env, size_t i,
 				   const struct metadata_patch *patch, struct error *err);
 
@@ -101,7 +106,7 @@ bool convo_pending(const struct message *m, enum consumer who);
 
 /* to_messages_map: incremental=false returns the whole log and moves nothing; otherwise
  * convo_take(CONSUMER_CLIENT, exclude_last) as maps. {"messages": [MAP...]}; new reference
- * or NULL on ENOMEM. */
+ * or NULL on ENOMEM (then nothing is marked taken). */
 json_t *convo_to_messages_map(struct convo *c, bool incremental, bool exclude_last);
 
 enum render_format { RENDER_META = 0, RENDER_BEDROCK, RENDER_ANTHROPIC, RENDER_OPENAI };
@@ -114,11 +119,13 @@ json_t *convo_get_messages(const struct convo *c, enum render_format fmt);
 
 /* describe: the seed's dump, one row per message:
  *   "META MESSAGES ('*' -> first message to LLM, '-' -> next message to convert into a Map, '^' -> last summary message):\n"
- *   then per message "%-4zu%c%c%c [role] {'c1' 'c2'} -- 'ID' {metadata}" with the markers
- *   '*', '-', '^' or ' ' and metadata as "attribute=[fake, merged], summaryIds=[..],
- *   timing=[{creation=..}, {playStart=..}], aux={json}" (unset parts left out), rows
- *   ended by ",\n" and the last by ".\n"; then ".  - -> index N.\n" where N is the index
- *   of the first pending message for CONSUMER_CLIENT (nlog if none).
+ *   then per message "%-4zu%c%c%c [role] {'c1' 'c2'} -- 'ID' {metadata}": the first marker
+ *   column holds '*' (first LLM message) or '^' (last summary), the second '-' (pending
+ *   for CONSUMER_CLIENT), the third a space; metadata as in the seed, "attribute=[fake,
+ *   merged], summaryIds=[..], aux={json}, timing=[{creation=..}, {playStart=..}]" (unset
+ *   parts left out); rows end with ",\n", the last with ".\n"; then ".  - -> index N.\n"
+ *   where N is the index of the first message pending for CONSUMER_CLIENT (nlog if none).
+ *   NUL bytes of contents are written as the two characters \0.
  * Newly allocated string (free()), NULL on ENOMEM. */
 char *convo_describe(const struct convo *c);
 

@@ -65,7 +65,8 @@ int message_timing_key(const char *name);
 struct message *message_new(const char *id, enum role role, int64_t creation_ms);
 void message_free(struct message *m); /* accepts NULL */
 
-/* Appends a copy of s[0..len) to m's contents. 0 or -ENOMEM (m unchanged). */
+/* Appends a copy of s[0..len) to m's contents. 0 or -ENOMEM (m unchanged; also for a
+ * string over 4 GiB). Amortised O(1): the array doubles. */
 int message_append_text(struct message *m, const char *s, size_t len);
 
 /* Sum of the byte lengths of m's contents. */
@@ -91,13 +92,15 @@ enum error_code message_patch_parse(const json_t *timing, const json_t *aux, con
 /* Would applying p change m? */
 bool message_patch_changes(const struct message *m, const struct metadata_patch *p);
 
-/* Applies p to m (timing keys set, aux keys set or removed; aux becomes NULL when it ends
- * up empty). Does not touch version or updated_ms. 0, or -ENOMEM with m unchanged (the new
- * aux is built aside and swapped in). */
+/* Applies p to m (timing keys set, aux keys set to deep copies or removed; aux becomes NULL
+ * when it ends up empty). m->aux is replaced, never modified in place, so maps may share
+ * it. Does not touch version or updated_ms. 0, or -ENOMEM with m unchanged (the new aux is
+ * built aside and swapped in). */
 int message_patch_apply(struct message *m, const struct metadata_patch *p);
 
 /* Rebuilds a message from its map (as stored by the local store or read back from
- * DynamoDB) with the given version. Caller frees *out. ERR_OK or ERR_BAD_REQUEST. */
+ * DynamoDB) with the given version; seen[] is 0 and updated_ms the creation time, for the
+ * caller to adjust. Caller frees *out. ERR_OK, ERR_BAD_REQUEST, or ERR_INTERNAL (ENOMEM). */
 enum error_code message_from_map(const json_t *map, uint32_t version, struct message **out,
 				 struct error *err);
 

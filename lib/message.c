@@ -1,0 +1,464 @@
+/* One message of a log: its storage, its metadata patches and its message map (semantics.md,
+ * "Mapping the log"). m->aux is never modified in place, only replaced, so maps may share it. */
+#include "message.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const timing_names[TIMING_COUNT] = {
+    "creation", "playStart", "playEnd", "listenStart", "listenEnd", "llmStart", "llmEnd",
+};
+
+const char *message_role_str(enum role r)
+{
+	switch (r) {
+	case ROLE_USER:
+		return "user";
+	case ROLE_ASSISTANT:
+		return "assistant";
+	case ROLE_SUMMARY:
+		return "summary";
+	}
+	return "unknown";
+}
+
+const char *message_timing_str(enum timing_key k)
+{
+	return (unsigned)k < TIMING_COUNT ? timing_names[k] : "unknown";
+}
+
+/* Timing key for name[0..len), or -1. */
+static int timing_keyn(const char *name, size_t len)
+{
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		if (strlen(timing_names[k]) == len && memcmp(timing_names[k], name, len) == 0)
+			return k;
+	}
+	return -1;
+}
+
+int message_timing_key(const char *name)
+{
+	return name ? timing_keyn(name, strlen(name)) : -1;
+}
+
+struct message *message_new(const char *id, enum role role, int64_t creation_ms)
+{
+	struct message *m = calloc(1, sizeof(*m));
+	if (!m)
+		return NULL;
+	memcpy(m->id, id, ULID_LEN);
+	m->id[ULID_LEN] = '\0';
+	m->role = (uint8_t)role;
+	m->version = 1;
+	for (int k = 0; k < TIMING_COUNT; k++)
+		m->timing[k] = -1;
+	m->timing[TIMING_CREATION] = creation_ms;
+	m->updated_ms = creation_ms;
+	return m;
+}
+
+void message_free(struct message *m)
+{
+	if (!m)
+		return;
+	for (uint32_t i = 0; i < m->ncontents; i++)
+		free(m->contents[i]);
+	free(m->contents);
+	json_decref(m->aux);
+	free(m->summary_ids);
+	free(m);
+}
+
+/* The contents array has no capacity field: its capacity is the smallest power of two
+ * >= ncontents, so it is full exactly when ncontents is 0 or a power of two. Shrinking
+ * ncontents (a rolled-back merge) keeps that true, and appends stay amortised O(1). */
+static bool contents_full(uint32_t n)
+{
+	return (n & (n - 1)) == 0;
+}
+
+int message_append_text(struct message *m, const char *s, size_t len)
+{
+	if (len > UINT32_MAX || m->ncontents == UINT32_MAX)
+		return -ENOMEM;
+	if (contents_full(m->ncontents)) {
+		size_t cap = m->ncontents ? (size_t)m->ncontents * 2 : 1;
+		struct text **grown = realloc(m->contents, cap * sizeof(*grown));
+		if (!grown)
+			return -ENOMEM;
+		m->contents = grown;
+	}
+	struct text *t = malloc(sizeof(*t) + len + 1);
+	if (!t)
+		return -ENOMEM;
+	t->len = (uint32_t)len;
+	if (len)
+		memcpy(t->bytes, s, len);
+	t->bytes[len] = '\0';
+	m->contents[m->ncontents++] = t;
+	return 0;
+}
+
+size_t message_text_bytes(const struct message *m)
+{
+	size_t n = 0;
+	for (uint32_t i = 0; i < m->ncontents; i++)
+		n += m->contents[i]->len;
+	return n;
+}
+
+/* Sets key to a new value, consuming it; fails on a NULL value as well. */
+static int set_new(json_t *obj, const char *key, json_t *v)
+{
+	return v ? json_object_set_new_nocheck(obj, key, v) : -1;
+}
+
+/* Appends a new value to arr, consuming it. */
+static int append_new(json_t *arr, json_t *v)
+{
+	return v ? json_array_append_new(arr, v) : -1;
+}
+
+static json_t *metadata_to_json(const struct message *m)
+{
+	json_t *md = json_object(), *timing = NULL;
+	if (!md)
+		goto fail;
+	if (m->fake || m->merges) {
+		json_t *attr = json_array();
+		if (set_new(md, "attribute", attr) < 0)
+			goto fail;
+		if (m->fake && append_new(attr, json_string_nocheck("fake")) < 0)
+			goto fail;
+		for (uint32_t i = 0; i < m->merges; i++) {
+			if (append_new(attr, json_string_nocheck("merged")) < 0)
+				goto fail;
+		}
+	}
+	if (m->nsummary_ids) {
+		json_t *ids = json_array();
+		if (set_new(md, "summaryIds", ids) < 0)
+			goto fail;
+		for (uint32_t i = 0; i < m->nsummary_ids; i++) {
+			if (append_new(ids, json_stringn_nocheck(m->summary_ids[i], ULID_LEN)) < 0)
+				goto fail;
+		}
+	}
+	timing = json_object();
+	if (set_new(md, "timing", timing) < 0)
+		goto fail;
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		if (m->timing[k] >= 0 &&
+		    set_new(timing, timing_names[k], json_integer(m->timing[k])) < 0)
+			goto fail;
+	}
+	if (m->aux && json_object_set_nocheck(md, "aux", m->aux) < 0)
+		goto fail;
+	return md;
+fail:
+	json_decref(md);
+	return NULL;
+}
+
+json_t *message_to_map(const struct message *m)
+{
+	json_t *map = json_object(), *msg = NULL, *contents = NULL;
+	if (!map)
+		goto fail;
+	if (set_new(map, "id", json_stringn_nocheck(m->id, ULID_LEN)) < 0)
+		goto fail;
+	msg = json_object();
+	if (set_new(map, "message", msg) < 0)
+		goto fail;
+	if (set_new(msg, "role", json_string_nocheck(message_role_str(m->role))) < 0)
+		goto fail;
+	contents = json_array();
+	if (set_new(msg, "contents", contents) < 0)
+		goto fail;
+	for (uint32_t i = 0; i < m->ncontents; i++) {
+		const struct text *t = m->contents[i];
+		if (append_new(contents, json_stringn(t->bytes, t->len)) < 0)
+			goto fail;
+	}
+	if (set_new(map, "metadata", metadata_to_json(m)) < 0)
+		goto fail;
+	return map;
+fail:
+	json_decref(map);
+	return NULL;
+}
+
+enum error_code message_patch_parse(const json_t *timing, const json_t *aux, const char *where,
+                                    struct metadata_patch *p, struct error *err)
+{
+	const char *key;
+	size_t klen;
+	json_t *v;
+
+	for (int k = 0; k < TIMING_COUNT; k++)
+		p->timing[k] = -1;
+	p->aux = NULL;
+	if (!where)
+		where = "";
+	if (timing) {
+		if (!json_is_object(timing))
+			return error_set(err, ERR_BAD_REQUEST, "%stiming: expected an object",
+			                 where);
+		json_object_keylen_foreach((json_t *)timing, key, klen, v)
+		{
+			int k = timing_keyn(key, klen);
+			if (k < 0)
+				return error_set(err, ERR_BAD_REQUEST,
+				                 "%stiming.%s: unknown timing key (expected "
+				                 "playStart, playEnd, listenStart, listenEnd, "
+				                 "llmStart or llmEnd)",
+				                 where, key);
+			if (k == TIMING_CREATION)
+				return error_set(err, ERR_BAD_REQUEST,
+				                 "%stiming.creation: set by the daemon, cannot be "
+				                 "set",
+				                 where);
+			if (!json_is_integer(v) || json_integer_value(v) < 0)
+				return error_set(err, ERR_BAD_REQUEST,
+				                 "%stiming.%s: expected an integer >= 0 "
+				                 "(Unix milliseconds)",
+				                 where, key);
+			p->timing[k] = json_integer_value(v);
+		}
+	}
+	if (aux) {
+		if (!json_is_object(aux))
+			return error_set(err, ERR_BAD_REQUEST, "%saux: expected an object", where);
+		if (json_object_size(aux))
+			p->aux = (json_t *)aux;
+	}
+	return ERR_OK;
+}
+
+bool message_patch_changes(const struct message *m, const struct metadata_patch *p)
+{
+	const char *key;
+	size_t klen;
+	json_t *v;
+
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		if (p->timing[k] >= 0 && p->timing[k] != m->timing[k])
+			return true;
+	}
+	if (!p->aux)
+		return false;
+	json_object_keylen_foreach(p->aux, key, klen, v)
+	{
+		json_t *old = m->aux ? json_object_getn(m->aux, key, klen) : NULL;
+		if (json_is_null(v) ? old != NULL : (!old || !json_equal(old, v)))
+			return true;
+	}
+	return false;
+}
+
+int message_patch_apply(struct message *m, const struct metadata_patch *p)
+{
+	const char *key;
+	size_t klen;
+	json_t *v, *aux = NULL;
+
+	if (p->aux) {
+		/* Built aside (a shallow copy: nested values are never modified in place) and
+		 * swapped in only once complete, so that ENOMEM leaves m as it was. */
+		aux = m->aux ? json_copy(m->aux) : json_object();
+		if (!aux)
+			return -ENOMEM;
+		json_object_keylen_foreach(p->aux, key, klen, v)
+		{
+			if (json_is_null(v)) {
+				json_object_deln(aux, key, klen);
+				continue;
+			}
+			json_t *copy = json_deep_copy(v);
+			if (!copy || json_object_setn_new_nocheck(aux, key, klen, copy) < 0) {
+				json_decref(aux);
+				return -ENOMEM;
+			}
+		}
+	}
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		if (p->timing[k] >= 0 && k != TIMING_CREATION)
+			m->timing[k] = p->timing[k];
+	}
+	if (p->aux) {
+		json_decref(m->aux);
+		m->aux = aux;
+		if (!json_object_size(aux)) {
+			json_decref(aux);
+			m->aux = NULL;
+		}
+	}
+	return 0;
+}
+
+/* Field name of obj if it has that JSON type, else NULL. */
+static const json_t *get_typed(const json_t *obj, const char *name, json_type type)
+{
+	const json_t *v = json_object_get(obj, name);
+	return v && json_typeof(v) == type ? v : NULL;
+}
+
+static enum error_code parse_id_list(const json_t *ids, struct message *m, struct error *err)
+{
+	size_t n = json_array_size(ids);
+	if (n > UINT32_MAX)
+		return error_set(err, ERR_BAD_REQUEST, "metadata.summaryIds: too many ids");
+	if (!n)
+		return ERR_OK;
+	m->summary_ids = malloc(n * sizeof(*m->summary_ids));
+	if (!m->summary_ids)
+		return error_set(err, ERR_INTERNAL, "out of memory");
+	for (size_t i = 0; i < n; i++) {
+		const json_t *s = json_array_get(ids, i);
+		if (!json_is_string(s) || !ulid_valid(json_string_value(s), json_string_length(s)))
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "metadata.summaryIds[%zu]: expected a ULID", i);
+		memcpy(m->summary_ids[i], json_string_value(s), ULID_LEN + 1);
+		m->nsummary_ids++;
+	}
+	return ERR_OK;
+}
+
+static enum error_code parse_attributes(const json_t *attr, struct message *m, struct error *err)
+{
+	size_t i;
+	json_t *a;
+
+	if (!json_is_array(attr))
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "metadata.attribute: expected an array of strings");
+	json_array_foreach(attr, i, a)
+	{
+		const char *s = json_string_value(a);
+		if (s && strcmp(s, "fake") == 0 && !m->fake)
+			m->fake = true;
+		else if (s && strcmp(s, "merged") == 0 && m->merges < UINT32_MAX)
+			m->merges++;
+		else
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "metadata.attribute[%zu]: expected \"fake\" (once) or "
+			                 "\"merged\"",
+			                 i);
+	}
+	return ERR_OK;
+}
+
+/* Timing of a stored map: like a patch, but creation is required and other keys are kept. */
+static enum error_code parse_stored_timing(const json_t *timing, struct message *m,
+                                           struct error *err)
+{
+	const char *key;
+	size_t klen;
+	json_t *v;
+
+	if (!json_is_object(timing))
+		return error_set(err, ERR_BAD_REQUEST, "metadata.timing: expected an object");
+	json_object_keylen_foreach((json_t *)timing, key, klen, v)
+	{
+		int k = timing_keyn(key, klen);
+		if (k < 0)
+			return error_set(err, ERR_BAD_REQUEST, "metadata.timing.%s: unknown key",
+			                 key);
+		if (!json_is_integer(v) || json_integer_value(v) < 0)
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "metadata.timing.%s: expected an integer >= 0", key);
+		m->timing[k] = json_integer_value(v);
+	}
+	if (m->timing[TIMING_CREATION] < 0)
+		return error_set(err, ERR_BAD_REQUEST, "metadata.timing.creation: missing");
+	return ERR_OK;
+}
+
+enum error_code message_from_map(const json_t *map, uint32_t version, struct message **out,
+                                 struct error *err)
+{
+	struct message *m = NULL;
+	enum error_code rc;
+	const json_t *id, *msg, *role_j, *contents, *md, *v;
+	int role = -1;
+	size_t i;
+	json_t *c;
+
+	*out = NULL;
+	if (!json_is_object(map))
+		return error_set(err, ERR_BAD_REQUEST, "message: expected an object");
+	id = get_typed(map, "id", JSON_STRING);
+	if (!id || !ulid_valid(json_string_value(id), json_string_length(id)))
+		return error_set(err, ERR_BAD_REQUEST, "id: expected a ULID");
+	msg = get_typed(map, "message", JSON_OBJECT);
+	if (!msg)
+		return error_set(err, ERR_BAD_REQUEST, "message: expected an object");
+	role_j = get_typed(msg, "role", JSON_STRING);
+	for (int r = ROLE_USER; role_j && r <= ROLE_SUMMARY; r++) {
+		if (strcmp(json_string_value(role_j), message_role_str(r)) == 0)
+			role = r;
+	}
+	if (role < 0)
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "message.role: expected \"user\", \"assistant\" or \"summary\"");
+	contents = get_typed(msg, "contents", JSON_ARRAY);
+	if (!contents || !json_array_size(contents))
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "message.contents: expected a non-empty array of strings");
+	md = get_typed(map, "metadata", JSON_OBJECT);
+	if (!md)
+		return error_set(err, ERR_BAD_REQUEST, "metadata: expected an object");
+
+	m = message_new(json_string_value(id), (enum role)role, 0);
+	if (!m)
+		return error_set(err, ERR_INTERNAL, "out of memory");
+	m->version = version;
+	m->timing[TIMING_CREATION] = -1;
+	json_array_foreach(contents, i, c)
+	{
+		if (!json_is_string(c)) {
+			rc = error_set(err, ERR_BAD_REQUEST,
+			               "message.contents[%zu]: expected a string", i);
+			goto fail;
+		}
+		if (message_append_text(m, json_string_value(c), json_string_length(c)) < 0) {
+			rc = error_set(err, ERR_INTERNAL, "out of memory");
+			goto fail;
+		}
+	}
+	if ((v = json_object_get(md, "attribute")) && (rc = parse_attributes(v, m, err)))
+		goto fail;
+	if ((v = json_object_get(md, "summaryIds"))) {
+		if (role != ROLE_SUMMARY || !json_is_array(v)) {
+			rc = error_set(err, ERR_BAD_REQUEST,
+			               "metadata.summaryIds: expected an array of ids, on "
+			               "summaries only");
+			goto fail;
+		}
+		if ((rc = parse_id_list(v, m, err)))
+			goto fail;
+	}
+	if ((rc = parse_stored_timing(json_object_get(md, "timing"), m, err)))
+		goto fail;
+	if ((v = json_object_get(md, "aux"))) {
+		if (!json_is_object(v)) {
+			rc = error_set(err, ERR_BAD_REQUEST, "metadata.aux: expected an object");
+			goto fail;
+		}
+		if (json_object_size(v)) {
+			m->aux = json_deep_copy(v);
+			if (!m->aux) {
+				rc = error_set(err, ERR_INTERNAL, "out of memory");
+				goto fail;
+			}
+		}
+	}
+	m->updated_ms = m->timing[TIMING_CREATION];
+	*out = m;
+	return ERR_OK;
+fail:
+	message_free(m);
+	return rc;
+}

@@ -1,0 +1,686 @@
+/* The JSON face of a conversation: field validation of the conversation ops of protocol.md
+ * and their execution on a struct convo. An answer that cannot be built after the
+ * conversation changed (ENOMEM) is rolled back, so a refused request changes nothing. */
+#include "ops.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const op_names[OP_COUNT] = {
+    [OP_UNKNOWN] = "unknown",
+    [OP_ADD_USER] = "add_user",
+    [OP_ADD_ASSISTANT] = "add_assistant",
+    [OP_ADD_MESSAGE] = "add_message",
+    [OP_GET_MESSAGES] = "get_messages",
+    [OP_GET_SUMMARY_INFO] = "get_summary_info",
+    [OP_ADD_SUMMARY] = "add_summary",
+    [OP_GET_LAST_SUMMARY] = "get_last_summary",
+    [OP_TO_MESSAGES_MAP] = "to_messages_map",
+    [OP_SET_METADATA] = "set_metadata",
+    [OP_DESCRIBE] = "describe",
+    [OP_FLUSH] = "flush",
+    [OP_CLOSE] = "close",
+    [OP_LIST] = "list",
+    [OP_STATS] = "stats",
+    [OP_PING] = "ping",
+};
+
+enum op ops_lookup(const char *s)
+{
+	if (!s)
+		return OP_UNKNOWN;
+	for (int op = OP_UNKNOWN + 1; op < OP_COUNT; op++) {
+		if (strcmp(s, op_names[op]) == 0)
+			return (enum op)op;
+	}
+	return OP_UNKNOWN;
+}
+
+const char *ops_name(enum op op)
+{
+	return (unsigned)op < OP_COUNT ? op_names[op] : op_names[OP_UNKNOWN];
+}
+
+bool ops_creates(enum op op)
+{
+	return op == OP_ADD_USER || op == OP_ADD_ASSISTANT || op == OP_ADD_MESSAGE;
+}
+
+bool ops_mutates(enum op op)
+{
+	return ops_creates(op) || op == OP_ADD_SUMMARY || op == OP_SET_METADATA;
+}
+
+bool ops_needs_conversation(enum op op)
+{
+	return (op >= OP_ADD_USER && op <= OP_DESCRIBE) || op == OP_CLOSE;
+}
+
+/* True if s[0..len) is empty or only code points with the Unicode White_Space property.
+ * Invalid UTF-8 counts as content. */
+static bool is_blank(const char *str, size_t len)
+{
+	const unsigned char *s = (const unsigned char *)str;
+	size_t i = 0;
+
+	while (i < len) {
+		unsigned c = s[i];
+		if (c < 0x80) {
+			if (c != ' ' && (c < 9 || c > 13))
+				return false;
+			i++;
+			continue;
+		}
+		uint32_t cp;
+		size_t n;
+		if (c >= 0xC2 && c <= 0xDF) {
+			cp = c & 0x1F;
+			n = 2;
+		} else if (c >= 0xE0 && c <= 0xEF) {
+			cp = c & 0x0F;
+			n = 3;
+		} else {
+			return false; /* 4-byte sequences hold no white space; the rest is invalid
+			               */
+		}
+		if (len - i < n)
+			return false;
+		for (size_t k = 1; k < n; k++) {
+			if ((s[i + k] & 0xC0) != 0x80)
+				return false;
+			cp = (cp << 6) | (s[i + k] & 0x3F);
+		}
+		if (!(cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
+		      cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000))
+			return false;
+		i += n;
+	}
+	return true;
+}
+
+/* Non-blank contents of a request, pointing into it; small requests need no allocation. */
+#define SMALL 8
+struct contents {
+	const char **texts;
+	size_t *lens;
+	size_t n;
+	const char *small_texts[SMALL];
+	size_t small_lens[SMALL];
+};
+
+static void contents_free(struct contents *ct)
+{
+	if (ct->texts != ct->small_texts) {
+		free(ct->texts);
+		free(ct->lens);
+	}
+	ct->texts = ct->small_texts;
+	ct->lens = ct->small_lens;
+	ct->n = 0;
+}
+
+static enum error_code contents_add(struct contents *ct, const json_t *s, const char *field,
+                                    size_t index, struct error *err)
+{
+	size_t len = json_string_length(s);
+	if (len > UINT32_MAX)
+		return error_set(err, ERR_TOO_LARGE, "%s[%zu]: string too long", field, index);
+	if (!is_blank(json_string_value(s), len)) {
+		ct->texts[ct->n] = json_string_value(s);
+		ct->lens[ct->n++] = len;
+	}
+	return ERR_OK;
+}
+
+/* contents of req: a string or a non-empty array of strings, blank strings dropped, at
+ * least one left. Free with contents_free, also on failure. */
+static enum error_code contents_parse(const json_t *req, struct contents *ct, struct error *err)
+{
+	const json_t *v = json_object_get(req, "contents"), *s;
+	enum error_code rc;
+	size_t i;
+
+	ct->texts = ct->small_texts;
+	ct->lens = ct->small_lens;
+	ct->n = 0;
+	if (!v)
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "contents: missing; expected a string or an array of strings");
+	if (json_is_string(v)) {
+		if ((rc = contents_add(ct, v, "contents", 0, err)))
+			return rc;
+	} else if (json_is_array(v)) {
+		size_t n = json_array_size(v);
+		if (!n)
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "contents: expected a string or a non-empty array of "
+			                 "strings");
+		if (n > SMALL) {
+			ct->texts = malloc(n * sizeof(*ct->texts));
+			ct->lens = malloc(n * sizeof(*ct->lens));
+			if (!ct->texts || !ct->lens)
+				return error_set(err, ERR_INTERNAL, "out of memory");
+		}
+		json_array_foreach(v, i, s)
+		{
+			if (!json_is_string(s))
+				return error_set(err, ERR_BAD_REQUEST,
+				                 "contents[%zu]: expected a string", i);
+			if ((rc = contents_add(ct, s, "contents", i, err)))
+				return rc;
+		}
+	} else {
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "contents: expected a string or an array of strings");
+	}
+	if (!ct->n)
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "contents: expected at least one non-blank string");
+	return ERR_OK;
+}
+
+/* metadata of req ({"timing", "aux"}, both optional) as a patch. */
+static enum error_code metadata_parse(const json_t *req, struct metadata_patch *p,
+                                      struct error *err)
+{
+	const json_t *md = json_object_get(req, "metadata");
+	const char *key;
+	size_t klen;
+	json_t *v;
+
+	if (md && !json_is_object(md))
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "metadata: expected an object with timing and/or aux");
+	if (md) {
+		json_object_keylen_foreach((json_t *)md, key, klen, v)
+		{
+			if (!(klen == 6 && memcmp(key, "timing", 6) == 0) &&
+			    !(klen == 3 && memcmp(key, "aux", 3) == 0))
+				return error_set(
+				    err, ERR_BAD_REQUEST,
+				    "metadata.%s: unknown key (expected timing or aux)", key);
+		}
+	}
+	return message_patch_parse(md ? json_object_get(md, "timing") : NULL,
+	                           md ? json_object_get(md, "aux") : NULL, "metadata.", p, err);
+}
+
+/* Optional boolean field name of req. */
+static enum error_code bool_parse(const json_t *req, const char *name, bool dflt, bool *out,
+                                  struct error *err)
+{
+	const json_t *v = json_object_get(req, name);
+	*out = dflt;
+	if (!v)
+		return ERR_OK;
+	if (!json_is_boolean(v))
+		return error_set(err, ERR_BAD_REQUEST, "%s: expected true or false", name);
+	*out = json_is_true(v);
+	return ERR_OK;
+}
+
+/* A string that must fit a C string (the summary format parts). */
+static enum error_code cstring_parse(const json_t *v, const char *field, const char *key,
+                                     const char **out, struct error *err)
+{
+	if (!json_is_string(v))
+		return error_set(err, ERR_BAD_REQUEST, "%s%s: expected a string", field, key);
+	if (strlen(json_string_value(v)) != json_string_length(v))
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "%s%s: expected a string without NUL characters", field, key);
+	*out = json_string_value(v);
+	return ERR_OK;
+}
+
+static const char *const format_keys[] = {
+    "prefix",      "postfix",   "user_tag", "assistant_tag",
+    "summary_tag", "separator", "closure",  "summary_closure",
+};
+
+static const char **format_field(struct summary_format *f, size_t i)
+{
+	const char **fields[] = {
+	    &f->prefix,      &f->postfix,   &f->user_tag, &f->assistant_tag,
+	    &f->summary_tag, &f->separator, &f->closure,  &f->summary_closure,
+	};
+	return fields[i];
+}
+
+/* preamble, include_previous_summary and format of a get_summary_info request. */
+static enum error_code summary_format_parse(const json_t *req, struct summary_format *f,
+                                            struct error *err)
+{
+	const json_t *v;
+	const char *key;
+	size_t klen;
+	json_t *val;
+	enum error_code rc;
+
+	convo_summary_format_default(f);
+	if ((v = json_object_get(req, "preamble")) &&
+	    (rc = cstring_parse(v, "", "preamble", &f->preamble, err)))
+		return rc;
+	if ((rc = bool_parse(req, "include_previous_summary", false, &f->include_previous_summary,
+	                     err)))
+		return rc;
+	v = json_object_get(req, "format");
+	if (!v)
+		return ERR_OK;
+	if (!json_is_object(v))
+		return error_set(
+		    err, ERR_BAD_REQUEST,
+		    "format: expected an object (prefix, postfix, user_tag, "
+		    "assistant_tag, summary_tag, separator, closure, summary_closure)");
+	json_object_keylen_foreach((json_t *)v, key, klen, val)
+	{
+		size_t i = 0, n = sizeof(format_keys) / sizeof(format_keys[0]);
+		while (i < n &&
+		       !(strlen(format_keys[i]) == klen && memcmp(format_keys[i], key, klen) == 0))
+			i++;
+		if (i == n)
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "format.%s: unknown key (expected prefix, postfix, "
+			                 "user_tag, assistant_tag, summary_tag, separator, closure "
+			                 "or summary_closure)",
+			                 key);
+		if ((rc = cstring_parse(val, "format.", format_keys[i], format_field(f, i), err)))
+			return rc;
+	}
+	return ERR_OK;
+}
+
+/* format of a get_messages request. */
+static enum error_code render_parse(const json_t *req, enum render_format *fmt, struct error *err)
+{
+	const json_t *v = json_object_get(req, "format");
+	int r = RENDER_META;
+	if (v && (!json_is_string(v) || strlen(json_string_value(v)) != json_string_length(v) ||
+	          (r = convo_render_format(json_string_value(v))) < 0))
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "format: expected \"meta\", \"bedrock\", \"anthropic\" or "
+		                 "\"openai\"");
+	*fmt = (enum render_format)r;
+	return ERR_OK;
+}
+
+/* role of an add_message request. */
+static enum error_code role_parse(const json_t *req, enum role *role, struct error *err)
+{
+	const json_t *v = json_object_get(req, "role");
+	const char *s = json_string_value(v);
+	if (s && json_string_length(v) == 4 && strcmp(s, "user") == 0)
+		*role = ROLE_USER;
+	else if (s && json_string_length(v) == 9 && strcmp(s, "assistant") == 0)
+		*role = ROLE_ASSISTANT;
+	else
+		return error_set(err, ERR_BAD_REQUEST,
+		                 v ? "role: expected \"user\" or \"assistant\""
+		                   : "role: missing; expected \"user\" or \"assistant\"");
+	return ERR_OK;
+}
+
+/* ids and versions of an add_summary request; ids point into req. Free both arrays (also on
+ * failure). */
+static enum error_code ids_parse(const json_t *req, const char ***ids, size_t *nids,
+                                 int64_t **versions, size_t *nversions, struct error *err)
+{
+	const json_t *a = json_object_get(req, "ids"), *v = json_object_get(req, "versions"), *e;
+	size_t i;
+
+	*ids = NULL;
+	*versions = NULL;
+	*nids = *nversions = 0;
+	if (!json_is_array(a) || !json_array_size(a))
+		return error_set(err, ERR_BAD_REQUEST,
+		                 a ? "ids: expected a non-empty array of message ids"
+		                   : "ids: missing; expected the ids of get_summary_info");
+	json_array_foreach(a, i, e)
+	{
+		if (!json_is_string(e) || !ulid_valid(json_string_value(e), json_string_length(e)))
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "ids[%zu]: expected a message id (a 26-character ULID)",
+			                 i);
+	}
+	if (v) {
+		if (!json_is_array(v) || json_array_size(v) != json_array_size(a))
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "versions: expected an array of integers, one per id");
+		json_array_foreach(v, i, e)
+		{
+			if (!json_is_integer(e) || json_integer_value(e) < 1 ||
+			    json_integer_value(e) > UINT32_MAX)
+				return error_set(err, ERR_BAD_REQUEST,
+				                 "versions[%zu]: expected an integer >= 1", i);
+		}
+	}
+	*ids = malloc(json_array_size(a) * sizeof(**ids));
+	if (!*ids)
+		return error_set(err, ERR_INTERNAL, "out of memory");
+	for (i = 0; i < json_array_size(a); i++)
+		(*ids)[i] = json_string_value(json_array_get(a, i));
+	*nids = json_array_size(a);
+	if (v) {
+		*versions = malloc(json_array_size(v) * sizeof(**versions));
+		if (!*versions)
+			return error_set(err, ERR_INTERNAL, "out of memory");
+		for (i = 0; i < json_array_size(v); i++)
+			(*versions)[i] = json_integer_value(json_array_get(v, i));
+		*nversions = json_array_size(v);
+	}
+	return ERR_OK;
+}
+
+/* message_id, timing and aux of a set_metadata request. */
+static enum error_code set_metadata_parse(const json_t *req, const json_t **id,
+                                          struct metadata_patch *p, struct error *err)
+{
+	*id = json_object_get(req, "message_id");
+	if (!*id)
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "message_id: missing; expected a message id");
+	if (!json_is_string(*id) || !ulid_valid(json_string_value(*id), json_string_length(*id)))
+		return error_set(err, ERR_BAD_REQUEST,
+		                 "message_id: expected a message id (a 26-character ULID)");
+	return message_patch_parse(json_object_get(req, "timing"), json_object_get(req, "aux"), "",
+	                           p, err);
+}
+
+enum error_code ops_check(enum op op, const json_t *req, struct error *err)
+{
+	struct contents ct;
+	struct metadata_patch patch;
+	struct summary_format f;
+	enum render_format fmt = RENDER_META;
+	enum role role;
+	const json_t *id;
+	const char **ids = NULL;
+	int64_t *versions = NULL;
+	size_t nids, nversions;
+	bool b;
+	enum error_code rc = ERR_OK;
+
+	if (op <= OP_UNKNOWN || op >= OP_COUNT)
+		return error_set(err, ERR_UNKNOWN_OP, "op: unknown operation");
+	if (!json_is_object(req))
+		return error_set(err, ERR_BAD_REQUEST, "request: expected an object");
+	switch (op) {
+	case OP_ADD_MESSAGE:
+	case OP_ADD_USER:
+	case OP_ADD_ASSISTANT:
+		if (op == OP_ADD_MESSAGE && (rc = role_parse(req, &role, err)))
+			break;
+		rc = contents_parse(req, &ct, err);
+		contents_free(&ct);
+		if (!rc)
+			rc = metadata_parse(req, &patch, err);
+		break;
+	case OP_GET_MESSAGES:
+		rc = render_parse(req, &fmt, err);
+		break;
+	case OP_GET_SUMMARY_INFO:
+		rc = summary_format_parse(req, &f, err);
+		break;
+	case OP_ADD_SUMMARY:
+		rc = contents_parse(req, &ct, err);
+		contents_free(&ct);
+		if (!rc)
+			rc = ids_parse(req, &ids, &nids, &versions, &nversions, err);
+		free(ids);
+		free(versions);
+		break;
+	case OP_TO_MESSAGES_MAP:
+		if (!(rc = bool_parse(req, "incremental", true, &b, err)))
+			rc = bool_parse(req, "exclude_last", true, &b, err);
+		break;
+	case OP_SET_METADATA:
+		rc = set_metadata_parse(req, &id, &patch, err);
+		break;
+	default:
+		/* get_last_summary, describe; and the daemon's own ops, which it checks. */
+		break;
+	}
+	return rc;
+}
+
+/* What undo_apply needs to put a conversation back as it was before one mutation. */
+struct undo {
+	size_t nlog, first_llm, text_bytes, scan_from[CONSUMER_COUNT];
+	long last_summary;
+	int64_t updated_ms;
+	long inserted;     /* position of an inserted summary, or -1 */
+	struct message *m; /* message that may change in place (merge, set_metadata), or NULL */
+	uint32_t ncontents, merges, version;
+	int64_t timing[TIMING_COUNT], m_updated_ms;
+	json_t *aux; /* reference to m's aux as it was */
+};
+
+static void undo_save(struct undo *u, const struct convo *c, struct message *m)
+{
+	u->nlog = c->nlog;
+	u->first_llm = c->first_llm;
+	u->text_bytes = c->text_bytes;
+	memcpy(u->scan_from, c->scan_from, sizeof(u->scan_from));
+	u->last_summary = c->last_summary;
+	u->updated_ms = c->updated_ms;
+	u->inserted = -1;
+	u->m = m;
+	u->aux = NULL;
+	if (m) {
+		u->ncontents = m->ncontents;
+		u->merges = m->merges;
+		u->version = m->version;
+		memcpy(u->timing, m->timing, sizeof(u->timing));
+		u->m_updated_ms = m->updated_ms;
+		u->aux = json_incref(m->aux);
+	}
+}
+
+static void undo_release(struct undo *u)
+{
+	json_decref(u->aux);
+	u->aux = NULL;
+}
+
+static void undo_apply(struct undo *u, struct convo *c)
+{
+	if (u->inserted >= 0) {
+		size_t p = (size_t)u->inserted;
+		message_free(c->log[p]);
+		memmove(&c->log[p], &c->log[p + 1], (c->nlog - p - 1) * sizeof(*c->log));
+		c->nlog--;
+	}
+	while (c->nlog > u->nlog)
+		message_free(c->log[--c->nlog]);
+	if (u->m) {
+		struct message *m = u->m;
+		while (m->ncontents > u->ncontents)
+			free(m->contents[--m->ncontents]);
+		m->merges = u->merges;
+		m->version = u->version;
+		memcpy(m->timing, u->timing, sizeof(m->timing));
+		m->updated_ms = u->m_updated_ms;
+		json_decref(m->aux);
+		m->aux = u->aux;
+		u->aux = NULL;
+	}
+	c->first_llm = u->first_llm;
+	c->text_bytes = u->text_bytes;
+	memcpy(c->scan_from, u->scan_from, sizeof(c->scan_from));
+	c->last_summary = u->last_summary;
+	c->updated_ms = u->updated_ms;
+}
+
+/* {"message": map of m, or null}; "merged" added when merged is not NULL. */
+static json_t *message_result(const struct message *m, const bool *merged)
+{
+	json_t *res = json_object(), *map = m ? message_to_map(m) : json_null();
+	if (!res || !map || json_object_set_new_nocheck(res, "message", map) < 0) {
+		if (res)
+			map = NULL; /* consumed by the failed set */
+		json_decref(map);
+		json_decref(res);
+		return NULL;
+	}
+	if (merged && json_object_set_new_nocheck(res, "merged", json_boolean(*merged)) < 0) {
+		json_decref(res);
+		return NULL;
+	}
+	return res;
+}
+
+static enum error_code run_add(enum op op, struct convo *c, const struct convo_env *env,
+                               const json_t *req, json_t **result, bool *changed, struct error *err)
+{
+	struct contents ct;
+	struct metadata_patch patch;
+	struct message *m = NULL;
+	struct undo u;
+	enum role role = op == OP_ADD_ASSISTANT ? ROLE_ASSISTANT : ROLE_USER;
+	enum error_code rc;
+	bool merged = false;
+
+	ct.texts = ct.small_texts;
+	ct.lens = ct.small_lens;
+	if ((op == OP_ADD_MESSAGE && (rc = role_parse(req, &role, err))) ||
+	    (rc = contents_parse(req, &ct, err)) || (rc = metadata_parse(req, &patch, err)))
+		goto out;
+	undo_save(&u, c, c->nlog ? c->log[c->nlog - 1] : NULL);
+	rc = convo_add(c, env, role, ct.texts, ct.lens, ct.n, &patch, &m, &merged, err);
+	if (!rc && !(*result = message_result(m, &merged))) {
+		undo_apply(&u, c);
+		rc = error_set(err, ERR_INTERNAL, "out of memory");
+	}
+	undo_release(&u);
+	if (!rc && changed)
+		*changed = true;
+out:
+	contents_free(&ct);
+	return rc;
+}
+
+static enum error_code run_add_summary(struct convo *c, const struct convo_env *env,
+                                       const json_t *req, json_t **result, bool *changed,
+                                       struct error *err)
+{
+	struct contents ct;
+	struct message *m = NULL;
+	const char **ids = NULL;
+	int64_t *versions = NULL;
+	size_t nids = 0, nversions = 0;
+	struct undo u;
+	enum error_code rc;
+
+	ct.texts = ct.small_texts;
+	ct.lens = ct.small_lens;
+	if ((rc = contents_parse(req, &ct, err)) ||
+	    (rc = ids_parse(req, &ids, &nids, &versions, &nversions, err)))
+		goto out;
+	undo_save(&u, c, NULL);
+	rc = convo_add_summary(c, env, ct.texts, ct.lens, ct.n, ids, nids, versions, nversions, &m,
+	                       err);
+	if (!rc && !(*result = message_result(m, NULL))) {
+		u.inserted = c->last_summary;
+		undo_apply(&u, c);
+		rc = error_set(err, ERR_INTERNAL, "out of memory");
+	}
+	undo_release(&u);
+	if (!rc && changed)
+		*changed = true;
+out:
+	contents_free(&ct);
+	free(ids);
+	free(versions);
+	return rc;
+}
+
+static enum error_code run_set_metadata(struct convo *c, const struct convo_env *env,
+                                        const json_t *req, json_t **result, bool *changed,
+                                        struct error *err)
+{
+	struct metadata_patch patch;
+	const json_t *id;
+	struct undo u;
+	enum error_code rc;
+
+	if ((rc = set_metadata_parse(req, &id, &patch, err)))
+		return rc;
+	long i = convo_find(c, json_string_value(id), json_string_length(id));
+	if (i < 0)
+		return error_set(err, ERR_NOT_FOUND,
+		                 "message_id: no message %s in this conversation",
+		                 json_string_value(id));
+	struct message *m = c->log[i];
+	undo_save(&u, c, m);
+	rc = convo_set_metadata(c, env, (size_t)i, &patch, err);
+	if (!rc && !(*result = message_result(m, NULL))) {
+		undo_apply(&u, c);
+		rc = error_set(err, ERR_INTERNAL, "out of memory");
+	}
+	if (!rc && changed)
+		*changed = m->version != u.version;
+	undo_release(&u);
+	return rc;
+}
+
+enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env, const json_t *req,
+                        json_t **result, bool *changed, struct error *err)
+{
+	struct summary_format f;
+	enum render_format fmt = RENDER_META;
+	enum error_code rc;
+	bool incremental, exclude_last;
+	char *text;
+
+	*result = NULL;
+	if (changed)
+		*changed = false;
+	if (!c || !json_is_object(req))
+		return error_set(err, ERR_INTERNAL, "%s: no conversation or request", ops_name(op));
+	switch (op) {
+	case OP_ADD_USER:
+	case OP_ADD_ASSISTANT:
+	case OP_ADD_MESSAGE:
+		return run_add(op, c, env, req, result, changed, err);
+	case OP_ADD_SUMMARY:
+		return run_add_summary(c, env, req, result, changed, err);
+	case OP_SET_METADATA:
+		return run_set_metadata(c, env, req, result, changed, err);
+	case OP_GET_MESSAGES:
+		if ((rc = render_parse(req, &fmt, err)))
+			return rc;
+		*result = convo_get_messages(c, fmt);
+		break;
+	case OP_GET_SUMMARY_INFO:
+		if ((rc = summary_format_parse(req, &f, err)))
+			return rc;
+		*result = convo_summary_info(c, &f);
+		break;
+	case OP_GET_LAST_SUMMARY:
+		*result = message_result(convo_last_summary(c), NULL);
+		break;
+	case OP_TO_MESSAGES_MAP:
+		if ((rc = bool_parse(req, "incremental", true, &incremental, err)) ||
+		    (rc = bool_parse(req, "exclude_last", true, &exclude_last, err)))
+			return rc;
+		*result = convo_to_messages_map(c, incremental, exclude_last);
+		break;
+	case OP_DESCRIBE:
+		text = convo_describe(c);
+		if (text) {
+			*result = json_object();
+			if (*result &&
+			    json_object_set_new_nocheck(*result, "text", json_string(text)) < 0) {
+				json_decref(*result);
+				*result = NULL;
+			}
+			free(text);
+		}
+		break;
+	default:
+		return error_set(err, ERR_INTERNAL, "%s: not a conversation op", ops_name(op));
+	}
+	if (!*result)
+		return error_set(err, ERR_INTERNAL, "out of memory");
+	return ERR_OK;
+}

@@ -1,0 +1,431 @@
+/* Unit tests for lib/message: storage, the message map, metadata patches (parse, change
+ * detection, apply, allocation failure) and rebuilding a message from its map. */
+#include "message.h"
+#include "test.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ID1 "01JRZJ166HZFPP405DV1QQB2X8"
+#define ID2 "01JRZJ166HZFPP405DV1QQB2X9"
+#define ID3 "01JRZJ166J2WRMF990535EVSQS"
+
+/* jansson allocator that fails once fail_after allocations have succeeded (-1: never). */
+static long fail_after = -1;
+static void *failing_malloc(size_t n)
+{
+	if (fail_after == 0)
+		return NULL;
+	if (fail_after > 0)
+		fail_after--;
+	return malloc(n);
+}
+
+static char *dump(const json_t *j)
+{
+	return j ? json_dumps(j, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+}
+
+/* CHECK_STR on the compact dump of j, which is released. */
+static void check_json(json_t *j, const char *expected, int line)
+{
+	char *s = dump(j);
+	test_checks++;
+	if (!s || strcmp(s, expected) != 0) {
+		test_failures++;
+		fprintf(stderr, "%s:%d: JSON mismatch\n  got:      %s\n  expected: %s\n", __FILE__,
+		        line, s ? s : "(null)", expected);
+	}
+	free(s);
+	json_decref(j);
+}
+#define CHECK_JSON(j, expected) check_json((j), (expected), __LINE__)
+
+static json_t *parse(const char *s)
+{
+	json_error_t e;
+	json_t *j = json_loads(s, JSON_ALLOW_NUL | JSON_DECODE_ANY, &e);
+	if (!j)
+		fprintf(stderr, "bad test JSON: %s: %s\n", s, e.text);
+	return j;
+}
+
+static void test_names(void)
+{
+	CHECK_STR(message_role_str(ROLE_USER), "user");
+	CHECK_STR(message_role_str(ROLE_ASSISTANT), "assistant");
+	CHECK_STR(message_role_str(ROLE_SUMMARY), "summary");
+	const char *names[] = {"creation",  "playStart", "playEnd", "listenStart",
+	                       "listenEnd", "llmStart",  "llmEnd"};
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		CHECK_STR(message_timing_str((enum timing_key)k), names[k]);
+		CHECK(message_timing_key(names[k]) == k);
+	}
+	CHECK(message_timing_key("playstart") == -1);
+	CHECK(message_timing_key("") == -1);
+	CHECK(message_timing_key(NULL) == -1);
+}
+
+static void test_storage(void)
+{
+	struct message *m = message_new(ID1, ROLE_USER, 1234);
+	CHECK(m != NULL);
+	if (!m)
+		return;
+	CHECK_STR(m->id, ID1);
+	CHECK(m->role == ROLE_USER && m->version == 1 && !m->fake && !m->merges);
+	CHECK(m->timing[TIMING_CREATION] == 1234 && m->updated_ms == 1234);
+	for (int k = 1; k < TIMING_COUNT; k++)
+		CHECK(m->timing[k] == -1);
+	CHECK(m->aux == NULL && m->ncontents == 0 && message_text_bytes(m) == 0);
+
+	/* many appends keep every string; one holds NUL bytes */
+	CHECK(message_append_text(m, "a\0b", 3) == 0);
+	char buf[16];
+	int ok = 1;
+	for (int i = 1; i < 1000; i++) {
+		int n = snprintf(buf, sizeof(buf), "s%d", i);
+		if (message_append_text(m, buf, (size_t)n) != 0)
+			ok = 0;
+	}
+	CHECK(ok);
+	CHECK(m->ncontents == 1000);
+	CHECK(m->contents[0]->len == 3 && memcmp(m->contents[0]->bytes, "a\0b", 4) == 0);
+	CHECK_STR(m->contents[999]->bytes, "s999");
+	CHECK(m->contents[999]->bytes[4] == '\0');
+	size_t expect = 3;
+	for (int i = 1; i < 1000; i++)
+		expect += (size_t)snprintf(buf, sizeof(buf), "s%d", i);
+	CHECK(message_text_bytes(m) == expect);
+	CHECK(message_append_text(m, "", 0) == 0 && m->contents[1000]->len == 0);
+	message_free(m);
+	message_free(NULL);
+}
+
+static void test_map(void)
+{
+	struct message *m = message_new(ID1, ROLE_USER, 1744815823057);
+	message_append_text(m, "...", 3);
+	m->fake = true;
+	CHECK_JSON(
+	    message_to_map(m),
+	    "{\"id\":\"" ID1 "\",\"message\":{\"role\":\"user\",\"contents\":[\"...\"]},"
+	    "\"metadata\":{\"attribute\":[\"fake\"],\"timing\":{\"creation\":1744815823057}}}");
+	message_free(m);
+
+	m = message_new(ID2, ROLE_ASSISTANT, 5);
+	message_append_text(m, "Hello!", 6);
+	message_append_text(m, "x\0y", 3);
+	m->merges = 2;
+	m->timing[TIMING_PLAY_END] = 9;
+	m->timing[TIMING_PLAY_START] = 7;
+	m->aux = parse("{\"stopped\":true,\"n\":[1,{\"a\":null}]}");
+	CHECK_JSON(
+	    message_to_map(m),
+	    "{\"id\":\"" ID2 "\",\"message\":{\"role\":\"assistant\",\"contents\":"
+	    "[\"Hello!\",\"x\\u0000y\"]},\"metadata\":{\"attribute\":[\"merged\",\"merged\"],"
+	    "\"timing\":{\"creation\":5,\"playStart\":7,\"playEnd\":9},"
+	    "\"aux\":{\"stopped\":true,\"n\":[1,{\"a\":null}]}}}");
+	message_free(m);
+
+	m = message_new(ID3, ROLE_SUMMARY, 6);
+	message_append_text(m, "sum", 3);
+	m->summary_ids = malloc(2 * sizeof(*m->summary_ids));
+	memcpy(m->summary_ids[0], ID1, ULID_LEN + 1);
+	memcpy(m->summary_ids[1], ID2, ULID_LEN + 1);
+	m->nsummary_ids = 2;
+	CHECK_JSON(message_to_map(m),
+	           "{\"id\":\"" ID3 "\",\"message\":{\"role\":\"summary\",\"contents\":[\"sum\"]},"
+	           "\"metadata\":{\"summaryIds\":[\"" ID1 "\",\"" ID2 "\"],"
+	           "\"timing\":{\"creation\":6}}}");
+	message_free(m);
+}
+
+/* message_patch_parse of the JSON texts timing/aux (NULL = absent). */
+static enum error_code parse_patch(const char *timing, const char *aux, const char *where,
+                                   struct metadata_patch *p, struct error *e, json_t **hold)
+{
+	json_t *t = timing ? parse(timing) : NULL, *a = aux ? parse(aux) : NULL;
+	enum error_code rc = message_patch_parse(t, a, where, p, e);
+	json_decref(t);
+	*hold = a; /* p->aux borrows from it */
+	return rc;
+}
+
+static void check_patch_error(const char *timing, const char *aux, const char *where,
+                              const char *message, int line)
+{
+	struct metadata_patch p;
+	struct error e = {ERR_OK, ""};
+	json_t *hold;
+	enum error_code rc = parse_patch(timing, aux, where, &p, &e, &hold);
+	test_checks++;
+	if (rc != ERR_BAD_REQUEST || e.code != ERR_BAD_REQUEST || strcmp(e.message, message)) {
+		test_failures++;
+		fprintf(stderr, "%s:%d: patch error: rc %d, message \"%s\", expected \"%s\"\n",
+		        __FILE__, line, rc, e.message, message);
+	}
+	json_decref(hold);
+}
+#define CHECK_PATCH_ERROR(t, a, w, msg) check_patch_error((t), (a), (w), (msg), __LINE__)
+
+static void test_patch_parse(void)
+{
+	struct metadata_patch p;
+	struct error e;
+	json_t *hold;
+
+	CHECK(parse_patch(NULL, NULL, "", &p, &e, &hold) == ERR_OK);
+	CHECK(p.aux == NULL);
+	for (int k = 0; k < TIMING_COUNT; k++)
+		CHECK(p.timing[k] == -1);
+	CHECK(parse_patch("{\"playStart\":0,\"llmEnd\":1744815823080}", "{\"k\":1}", "", &p, &e,
+	                  &hold) == ERR_OK);
+	CHECK(p.timing[TIMING_PLAY_START] == 0 && p.timing[TIMING_LLM_END] == 1744815823080);
+	CHECK(p.timing[TIMING_CREATION] == -1 && p.timing[TIMING_PLAY_END] == -1);
+	CHECK(p.aux == hold);
+	json_decref(hold);
+	/* an empty aux patches nothing */
+	CHECK(parse_patch("{}", "{}", "", &p, &e, &hold) == ERR_OK && p.aux == NULL);
+	json_decref(hold);
+
+	CHECK_PATCH_ERROR("[]", NULL, "metadata.", "metadata.timing: expected an object");
+	CHECK_PATCH_ERROR("null", NULL, "", "timing: expected an object");
+	CHECK_PATCH_ERROR("{\"start\":1}", NULL, "metadata.",
+	                  "metadata.timing.start: unknown timing key (expected playStart, playEnd, "
+	                  "listenStart, listenEnd, llmStart or llmEnd)");
+	CHECK_PATCH_ERROR("{\"creation\":1}", NULL, "",
+	                  "timing.creation: set by the daemon, cannot be set");
+	CHECK_PATCH_ERROR("{\"playEnd\":-1}", NULL, "",
+	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
+	CHECK_PATCH_ERROR("{\"playEnd\":1.5}", NULL, "",
+	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
+	CHECK_PATCH_ERROR("{\"playEnd\":1.0}", NULL, "",
+	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
+	CHECK_PATCH_ERROR("{\"playEnd\":\"5\"}", NULL, "",
+	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
+	CHECK_PATCH_ERROR("{\"playEnd\":null}", NULL, "",
+	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
+	CHECK_PATCH_ERROR(NULL, "[1]", "metadata.", "metadata.aux: expected an object");
+	CHECK_PATCH_ERROR(NULL, "\"x\"", "", "aux: expected an object");
+	/* a key with a NUL byte is not "playStart" (built by hand: the parser refuses it) */
+	json_t *t = json_object();
+	json_object_setn_new(t, "playStart\0x", 11, json_integer(1));
+	e.code = ERR_OK;
+	CHECK(message_patch_parse(t, NULL, "", &p, &e) == ERR_BAD_REQUEST);
+	CHECK_STR(e.message, "timing.playStart: unknown timing key (expected playStart, playEnd, "
+	                     "listenStart, listenEnd, llmStart or llmEnd)");
+	json_decref(t);
+}
+
+static void test_patch_apply(void)
+{
+	struct message *m = message_new(ID1, ROLE_USER, 100);
+	struct metadata_patch p;
+	struct error e;
+	json_t *hold;
+
+	message_append_text(m, "hi", 2);
+	/* nothing to change */
+	parse_patch(NULL, NULL, "", &p, &e, &hold);
+	CHECK(!message_patch_changes(m, &p));
+	CHECK(parse_patch(NULL, "{\"gone\":null}", "", &p, &e, &hold) == ERR_OK);
+	CHECK(!message_patch_changes(m, &p)); /* removing an absent key */
+	CHECK(message_patch_apply(m, &p) == 0 && m->aux == NULL);
+	json_decref(hold);
+
+	parse_patch("{\"playStart\":200}", "{\"stopped\":true,\"n\":{\"a\":[1]}}", "", &p, &e,
+	            &hold);
+	CHECK(message_patch_changes(m, &p));
+	CHECK(message_patch_apply(m, &p) == 0);
+	json_decref(hold); /* the message keeps its own copy */
+	CHECK(m->timing[TIMING_PLAY_START] == 200 && m->timing[TIMING_CREATION] == 100);
+	CHECK(m->version == 1 && m->updated_ms == 100); /* apply leaves these to the caller */
+	CHECK_JSON(json_incref(m->aux), "{\"stopped\":true,\"n\":{\"a\":[1]}}");
+
+	/* the same values again change nothing */
+	parse_patch("{\"playStart\":200}", "{\"n\":{\"a\":[1]}}", "", &p, &e, &hold);
+	CHECK(!message_patch_changes(m, &p));
+	json_decref(hold);
+	parse_patch("{\"playStart\":201}", NULL, "", &p, &e, &hold);
+	CHECK(message_patch_changes(m, &p));
+	parse_patch(NULL, "{\"n\":{\"a\":[2]}}", "", &p, &e, &hold);
+	CHECK(message_patch_changes(m, &p));
+	json_decref(hold);
+	parse_patch(NULL, "{\"new\":0}", "", &p, &e, &hold);
+	CHECK(message_patch_changes(m, &p));
+	json_decref(hold);
+
+	/* set one key, remove another */
+	parse_patch(NULL, "{\"stopped\":null,\"k\":\"v\"}", "", &p, &e, &hold);
+	CHECK(message_patch_changes(m, &p));
+	json_t *before = json_incref(m->aux);
+	CHECK(message_patch_apply(m, &p) == 0);
+	json_decref(hold);
+	CHECK_JSON(json_incref(m->aux), "{\"n\":{\"a\":[1]},\"k\":\"v\"}");
+	/* the old object was replaced, not modified (maps may share it) */
+	CHECK_JSON(before, "{\"stopped\":true,\"n\":{\"a\":[1]}}");
+
+	/* removing every key leaves aux unset */
+	parse_patch(NULL, "{\"n\":null,\"k\":null}", "", &p, &e, &hold);
+	CHECK(message_patch_apply(m, &p) == 0);
+	json_decref(hold);
+	CHECK(m->aux == NULL);
+	CHECK_JSON(message_to_map(m),
+	           "{\"id\":\"" ID1 "\",\"message\":{\"role\":\"user\",\"contents\":[\"hi\"]},"
+	           "\"metadata\":{\"timing\":{\"creation\":100,\"playStart\":200}}}");
+
+	/* allocation failure at every step: -ENOMEM and m exactly as before */
+	parse_patch("{\"playEnd\":300}", NULL, "", &p, &e, &hold);
+	message_patch_apply(m, &p);
+	json_t *patch_aux = parse("{\"a\":{\"deep\":[1,2,3]},\"b\":\"x\",\"c\":null}");
+	m->aux = parse("{\"c\":1,\"z\":2}");
+	p.aux = patch_aux;
+	p.timing[TIMING_PLAY_END] = 301;
+	char *want = dump(m->aux);
+	int failures = 0, unchanged = 1;
+	for (long n = 0; n < 40; n++) {
+		fail_after = n;
+		json_set_alloc_funcs(failing_malloc, free);
+		json_t *old = m->aux;
+		int rc = message_patch_apply(m, &p);
+		json_set_alloc_funcs(malloc, free);
+		fail_after = -1;
+		if (rc == 0)
+			break;
+		failures++;
+		char *got = dump(m->aux);
+		if (rc != -ENOMEM || m->aux != old || m->timing[TIMING_PLAY_END] != 300 ||
+		    strcmp(got, want))
+			unchanged = 0;
+		free(got);
+	}
+	CHECK(failures > 0);
+	CHECK(unchanged);
+	CHECK(m->timing[TIMING_PLAY_END] == 301);
+	CHECK_JSON(json_incref(m->aux), "{\"z\":2,\"a\":{\"deep\":[1,2,3]},\"b\":\"x\"}");
+	free(want);
+	json_decref(patch_aux);
+	message_free(m);
+}
+
+/* to_map -> from_map -> to_map gives the same map. */
+static void check_round_trip(struct message *m, int line)
+{
+	struct message *back = NULL;
+	struct error e;
+	json_t *map = message_to_map(m);
+	char *a = dump(map);
+	enum error_code rc = message_from_map(map, 7, &back, &e);
+	json_t *map2 = back ? message_to_map(back) : NULL;
+	char *b = dump(map2);
+	test_checks++;
+	if (rc != ERR_OK || !back || back->version != 7 || !a || !b || strcmp(a, b) ||
+	    back->updated_ms != m->timing[TIMING_CREATION]) {
+		test_failures++;
+		fprintf(stderr, "%s:%d: round trip failed: %s\n  %s\n  %s\n", __FILE__, line,
+		        rc ? e.message : "", a ? a : "(null)", b ? b : "(null)");
+	}
+	free(a);
+	free(b);
+	json_decref(map);
+	json_decref(map2);
+	message_free(back);
+}
+
+static void check_from_map_error(const char *json, const char *message, int line)
+{
+	struct message *m = (struct message *)&m;
+	struct error e = {ERR_OK, ""};
+	json_t *j = parse(json);
+	enum error_code rc = message_from_map(j, 1, &m, &e);
+	test_checks++;
+	if (rc != ERR_BAD_REQUEST || m != NULL || strcmp(e.message, message)) {
+		test_failures++;
+		fprintf(stderr, "%s:%d: from_map: rc %d, \"%s\", expected \"%s\"\n", __FILE__, line,
+		        rc, e.message, message);
+	}
+	message_free(m);
+	json_decref(j);
+}
+#define CHECK_FROM_MAP_ERROR(j, msg) check_from_map_error((j), (msg), __LINE__)
+
+static void test_from_map(void)
+{
+	struct message *m = message_new(ID1, ROLE_USER, 10);
+	message_append_text(m, "...", 3);
+	m->fake = true;
+	check_round_trip(m, __LINE__);
+	message_append_text(m, "a\0b", 3);
+	m->merges = 3;
+	m->timing[TIMING_LISTEN_END] = 0;
+	m->aux = parse("{\"x\":[true,null,1.5,\"s\"]}");
+	check_round_trip(m, __LINE__);
+	message_free(m);
+
+	m = message_new(ID3, ROLE_SUMMARY, 20);
+	message_append_text(m, "summary", 7);
+	m->summary_ids = malloc(2 * sizeof(*m->summary_ids));
+	memcpy(m->summary_ids[0], ID1, ULID_LEN + 1);
+	memcpy(m->summary_ids[1], ID2, ULID_LEN + 1);
+	m->nsummary_ids = 2;
+	check_round_trip(m, __LINE__);
+	message_free(m);
+
+	CHECK_FROM_MAP_ERROR("[]", "message: expected an object");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"x\",\"message\":{\"role\":\"user\",\"contents\":[\"a\"]},"
+	                     "\"metadata\":{\"timing\":{\"creation\":1}}}",
+	                     "id: expected a ULID");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1 "\",\"metadata\":{\"timing\":{\"creation\":1}}}",
+	                     "message: expected an object");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1
+	                     "\",\"message\":{\"role\":\"bot\",\"contents\":[\"a\"]},"
+	                     "\"metadata\":{\"timing\":{\"creation\":1}}}",
+	                     "message.role: expected \"user\", \"assistant\" or \"summary\"");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1 "\",\"message\":{\"role\":\"user\",\"contents\":[]},"
+	                     "\"metadata\":{\"timing\":{\"creation\":1}}}",
+	                     "message.contents: expected a non-empty array of strings");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1 "\",\"message\":{\"role\":\"user\",\"contents\":[1]},"
+	                     "\"metadata\":{\"timing\":{\"creation\":1}}}",
+	                     "message.contents[0]: expected a string");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1
+	                     "\",\"message\":{\"role\":\"user\",\"contents\":[\"a\"]}}",
+	                     "metadata: expected an object");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1
+	                     "\",\"message\":{\"role\":\"user\",\"contents\":[\"a\"]},"
+	                     "\"metadata\":{\"timing\":{\"playStart\":1}}}",
+	                     "metadata.timing.creation: missing");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1
+	                     "\",\"message\":{\"role\":\"user\",\"contents\":[\"a\"]},"
+	                     "\"metadata\":{\"timing\":{\"creation\":1,\"when\":2}}}",
+	                     "metadata.timing.when: unknown key");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1
+	                     "\",\"message\":{\"role\":\"user\",\"contents\":[\"a\"]},"
+	                     "\"metadata\":{\"attribute\":[\"fake\",\"fake\"],"
+	                     "\"timing\":{\"creation\":1}}}",
+	                     "metadata.attribute[1]: expected \"fake\" (once) or \"merged\"");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1
+	                     "\",\"message\":{\"role\":\"user\",\"contents\":[\"a\"]},"
+	                     "\"metadata\":{\"summaryIds\":[],\"timing\":{\"creation\":1}}}",
+	                     "metadata.summaryIds: expected an array of ids, on summaries only");
+	CHECK_FROM_MAP_ERROR(
+	    "{\"id\":\"" ID1 "\",\"message\":{\"role\":\"summary\",\"contents\":[\"a\"]},"
+	    "\"metadata\":{\"summaryIds\":[\"nope\"],\"timing\":{\"creation\":1}}}",
+	    "metadata.summaryIds[0]: expected a ULID");
+	CHECK_FROM_MAP_ERROR("{\"id\":\"" ID1
+	                     "\",\"message\":{\"role\":\"user\",\"contents\":[\"a\"]},"
+	                     "\"metadata\":{\"aux\":5,\"timing\":{\"creation\":1}}}",
+	                     "metadata.aux: expected an object");
+}
+
+int main(void)
+{
+	test_names();
+	test_storage();
+	test_map();
+	test_patch_parse();
+	test_patch_apply();
+	test_from_map();
+	return test_done("message");
+}
