@@ -1,0 +1,461 @@
+/* Unix-socket server: accept, framing, backpressure, per-turn commit and writes. */
+#include "server.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "framer.h"
+#include "log.h"
+
+#define READ_CHUNK 65536
+#define STOP_DEADLINE_MS 10000
+
+struct conn {
+	uv_pipe_t pipe;
+	struct server *srv;
+	struct framer fr;
+	struct buf out;        /* answers of this turn, not yet handed to uv_write */
+	size_t queued;         /* bytes handed to uv_write and not yet written */
+	struct conn *next, *prev;
+	struct conn *next_dirty;
+	bool dirty;            /* on srv->dirty */
+	bool reading;          /* uv_read_start is in effect */
+	bool paused;           /* over max_output_bytes: neither read nor served */
+	bool eof;              /* the client closed its side: answer what is left, then close */
+	bool closing;          /* uv_close called */
+};
+
+struct write_req {
+	uv_write_t req;
+	struct conn *c;
+	char *data;
+	size_t len;
+};
+
+static void conn_close(struct conn *c);
+static void conn_serve(struct conn *c);
+static void server_maybe_stopped(struct server *s);
+
+static void conn_mark_dirty(struct conn *c)
+{
+	if (c->dirty || c->out.len == 0)
+		return;
+	c->dirty = true;
+	c->next_dirty = c->srv->dirty;
+	c->srv->dirty = c;
+}
+
+static size_t conn_backlog(const struct conn *c)
+{
+	return c->queued + c->out.len;
+}
+
+static void on_closed(uv_handle_t *h)
+{
+	struct conn *c = h->data;
+	struct server *s = c->srv;
+
+	if (c->prev)
+		c->prev->next = c->next;
+	else
+		s->conns = c->next;
+	if (c->next)
+		c->next->prev = c->prev;
+	s->nconns--;
+	s->dispatch->stats.connections_current = s->nconns;
+	framer_free(&c->fr);
+	buf_free(&c->out);
+	free(c);
+	if (s->stopping)
+		server_maybe_stopped(s);
+}
+
+static void conn_close(struct conn *c)
+{
+	if (c->closing)
+		return;
+	c->closing = true;
+	buf_free(&c->out);
+	/* Pending writes complete with UV_ECANCELED before on_closed runs. */
+	uv_close((uv_handle_t *)&c->pipe, on_closed);
+}
+
+/* The client has nothing more to say and everything has been answered: close. */
+static void conn_close_if_done(struct conn *c)
+{
+	if (c->closing || !(c->eof || c->srv->stopping))
+		return;
+	if (conn_backlog(c) == 0 && !(c->paused && framer_pending(&c->fr) > 0))
+		conn_close(c);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *b)
+{
+	struct conn *c = h->data;
+	char *p;
+	size_t n;
+
+	(void)suggested;
+	if (framer_reserve(&c->fr, READ_CHUNK, &p, &n) < 0) {
+		b->base = NULL;
+		b->len = 0;
+		return;
+	}
+	b->base = p;
+	b->len = n;
+}
+
+static void conn_read_stop(struct conn *c)
+{
+	if (c->reading) {
+		uv_read_stop((uv_stream_t *)&c->pipe);
+		c->reading = false;
+	}
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b);
+
+static void conn_read_start(struct conn *c)
+{
+	if (c->reading || c->paused || c->eof || c->closing || c->srv->stopping)
+		return;
+	if (uv_read_start((uv_stream_t *)&c->pipe, on_alloc, on_read) == 0)
+		c->reading = true;
+	else
+		conn_close(c);
+}
+
+/* Answers buffered complete lines until none is left or the output limit is reached. */
+static void conn_serve(struct conn *c)
+{
+	struct dispatch *d = c->srv->dispatch;
+	size_t limit = c->srv->cfg->max_output_bytes;
+
+	while (!c->closing) {
+		const char *line;
+		size_t len;
+		enum framer_event ev;
+
+		if (conn_backlog(c) > limit) {
+			c->paused = true;
+			conn_read_stop(c);
+			break;
+		}
+		ev = framer_next(&c->fr, &line, &len);
+		if (ev == FRAMER_NONE)
+			break;
+		if (ev == FRAMER_TOO_LARGE)
+			dispatch_too_large_line(d, &c->out);
+		else
+			dispatch_line(d, line, len, &c->out);
+	}
+	conn_mark_dirty(c);
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
+{
+	struct conn *c = st->data;
+
+	(void)b;
+	if (nread > 0) {
+		framer_commit(&c->fr, (size_t)nread);
+		conn_serve(c);
+		return;
+	}
+	if (nread == 0)
+		return;
+	conn_read_stop(c);
+	if (nread == UV_EOF) {
+		/* Answer every complete line; an unfinished one is discarded. */
+		c->eof = true;
+		conn_serve(c);
+		if (!c->paused) {
+			framer_free(&c->fr);
+			framer_init(&c->fr, c->srv->cfg->max_line_bytes);
+		}
+		conn_close_if_done(c);
+		return;
+	}
+	if (nread == UV_ENOBUFS)
+		log_msg(LOG_WARN, "server", "out of memory reading a request; closing connection");
+	conn_close(c);
+}
+
+static void on_written(uv_write_t *req, int status)
+{
+	struct write_req *w = (struct write_req *)req;
+	struct conn *c = w->c;
+
+	c->queued -= w->len;
+	free(w->data);
+	free(w);
+	if (status < 0) {
+		if (status != UV_ECANCELED)
+			conn_close(c);
+		return;
+	}
+	if (c->closing)
+		return;
+	if (c->paused && conn_backlog(c) <= c->srv->cfg->max_output_bytes / 2) {
+		c->paused = false;
+		conn_serve(c);
+		if (!c->paused && (c->eof || c->srv->stopping) && framer_pending(&c->fr) > 0) {
+			/* Only an unfinished line is left: discard it. */
+			framer_free(&c->fr);
+			framer_init(&c->fr, c->srv->cfg->max_line_bytes);
+		}
+		conn_read_start(c);
+	}
+	conn_close_if_done(c);
+}
+
+static void conn_flush(struct conn *c)
+{
+	struct write_req *w;
+	uv_buf_t b;
+
+	if (c->closing || c->out.len == 0)
+		return;
+	w = malloc(sizeof(*w));
+	if (!w) {
+		conn_close(c);
+		return;
+	}
+	w->c = c;
+	w->data = buf_steal(&c->out, &w->len);
+	c->queued += w->len;
+	b = uv_buf_init(w->data, (unsigned int)w->len);
+	if (uv_write(&w->req, (uv_stream_t *)&c->pipe, &b, 1, on_written) < 0) {
+		c->queued -= w->len;
+		free(w->data);
+		free(w);
+		conn_close(c);
+	}
+}
+
+/* End of a loop turn: one commit for every mutation of the turn, then the answers. */
+static void server_turn(struct server *s)
+{
+	struct conn *c, *next;
+
+	if (!s->dirty)
+		return;
+	if (s->dispatch->changed && dispatch_commit(s->dispatch) < 0)
+		log_msg(LOG_ERROR, "server", "commit failed");
+	for (c = s->dirty, s->dirty = NULL; c; c = next) {
+		next = c->next_dirty;
+		c->dirty = false;
+		c->next_dirty = NULL;
+		conn_flush(c);
+		conn_close_if_done(c);
+	}
+}
+
+static void on_turn(uv_check_t *h)
+{
+	server_turn(h->data);
+}
+
+/* Answers made in the pending or timer phase (a write completing un-pauses a connection)
+ * must not wait in the out buffer while the loop blocks in poll. */
+static void on_before_poll(uv_prepare_t *h)
+{
+	server_turn(h->data);
+}
+
+static void refuse(struct server *s, struct conn *c)
+{
+	char msg[160];
+	int n = snprintf(msg, sizeof(msg),
+			 "{\"ok\":false,\"error\":{\"code\":\"unavailable\",\"message\":\"too "
+			 "many connections (limit %zu); retry later\"}}\n",
+			 s->cfg->max_connections);
+	uv_buf_t b = uv_buf_init(msg, (unsigned int)n);
+
+	/* Best effort: a fresh socket's buffer takes one short line. */
+	uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
+	s->dispatch->stats.connections_refused++;
+	conn_close(c);
+}
+
+static void on_connection(uv_stream_t *ls, int status)
+{
+	struct server *s = ls->data;
+	struct conn *c;
+
+	if (status < 0) {
+		log_msg(LOG_WARN, "server", "accept: %s", uv_strerror(status));
+		return;
+	}
+	c = calloc(1, sizeof(*c));
+	if (!c) {
+		log_msg(LOG_ERROR, "server", "out of memory accepting a connection");
+		return;
+	}
+	c->srv = s;
+	framer_init(&c->fr, s->cfg->max_line_bytes);
+	if (uv_pipe_init(s->loop, &c->pipe, 0) < 0) {
+		free(c);
+		return;
+	}
+	c->pipe.data = c;
+	c->next = s->conns;
+	if (s->conns)
+		s->conns->prev = c;
+	s->conns = c;
+	s->nconns++;
+	if (uv_accept(ls, (uv_stream_t *)&c->pipe) < 0) {
+		conn_close(c);
+		return;
+	}
+	if (s->nconns > s->cfg->max_connections) {
+		refuse(s, c);
+		return;
+	}
+	s->dispatch->stats.connections_accepted++;
+	s->dispatch->stats.connections_current = s->nconns;
+	conn_read_start(c);
+}
+
+/* Replaces a stale socket file; refuses a live socket or a file that is not a socket. */
+static int prepare_socket_path(const char *path)
+{
+	struct stat st;
+	struct sockaddr_un sa;
+	int fd, rc;
+
+	if (lstat(path, &st) < 0)
+		return errno == ENOENT ? 0 : -errno;
+	if (!S_ISSOCK(st.st_mode)) {
+		log_msg(LOG_ERROR, "server", "%s exists and is not a socket; not replacing it",
+			path);
+		return -EEXIST;
+	}
+	if (strlen(path) >= sizeof(sa.sun_path))
+		return -ENAMETOOLONG;
+	memset(&sa, 0, sizeof(sa));
+	sa.sun_family = AF_UNIX;
+	strcpy(sa.sun_path, path);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+	close(fd);
+	if (rc == 0) {
+		log_msg(LOG_ERROR, "server", "another daemon is listening on %s", path);
+		return -EADDRINUSE;
+	}
+	log_msg(LOG_INFO, "server", "replacing stale socket %s", path);
+	if (unlink(path) < 0 && errno != ENOENT)
+		return -errno;
+	return 0;
+}
+
+int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
+		 struct dispatch *dispatch)
+{
+	mode_t old_mask;
+	int rc;
+
+	memset(s, 0, sizeof(*s));
+	s->loop = loop;
+	s->cfg = cfg;
+	s->dispatch = dispatch;
+	rc = prepare_socket_path(cfg->socket_path);
+	if (rc < 0) {
+		log_msg(LOG_ERROR, "server", "cannot use %s: %s", cfg->socket_path, strerror(-rc));
+		return rc;
+	}
+	uv_pipe_init(loop, &s->listener, 0);
+	s->listener.data = s;
+	/* Create the file with no access for others from the start, then set 0660 exactly. */
+	old_mask = umask(0177);
+	rc = uv_pipe_bind(&s->listener, cfg->socket_path);
+	umask(old_mask);
+	if (rc == 0) {
+		s->socket_created = true;
+		if (chmod(cfg->socket_path, 0660) < 0)
+			rc = -errno;
+	}
+	if (rc == 0)
+		rc = uv_listen((uv_stream_t *)&s->listener, 511, on_connection);
+	if (rc < 0) {
+		log_msg(LOG_ERROR, "server", "cannot listen on %s: %s", cfg->socket_path,
+			uv_strerror(rc));
+		if (s->socket_created)
+			unlink(cfg->socket_path);
+		uv_close((uv_handle_t *)&s->listener, NULL);
+		return rc;
+	}
+	s->listening = true;
+	uv_check_init(loop, &s->turn);
+	s->turn.data = s;
+	uv_check_start(&s->turn, on_turn);
+	uv_prepare_init(loop, &s->turn_before_poll);
+	s->turn_before_poll.data = s;
+	uv_prepare_start(&s->turn_before_poll, on_before_poll);
+	uv_timer_init(loop, &s->deadline);
+	s->deadline.data = s;
+	log_msg(LOG_INFO, "server", "listening on %s", cfg->socket_path);
+	return 0;
+}
+
+static void on_handle_closed(uv_handle_t *h)
+{
+	struct server *s = h->data;
+	if (--s->handles_open == 0 && s->on_stopped)
+		s->on_stopped(s);
+}
+
+static void server_maybe_stopped(struct server *s)
+{
+	if (s->nconns > 0 || !s->stopping || uv_is_closing((uv_handle_t *)&s->deadline))
+		return;
+	s->handles_open = 3;
+	uv_close((uv_handle_t *)&s->turn, on_handle_closed);
+	uv_close((uv_handle_t *)&s->turn_before_poll, on_handle_closed);
+	uv_close((uv_handle_t *)&s->deadline, on_handle_closed);
+}
+
+static void on_deadline(uv_timer_t *t)
+{
+	struct server *s = t->data;
+	log_msg(LOG_WARN, "server", "stop deadline reached; closing %zu connections", s->nconns);
+	for (struct conn *c = s->conns; c; c = c->next)
+		conn_close(c);
+}
+
+void server_stop(struct server *s, void (*on_stopped)(struct server *s))
+{
+	struct conn *c, *next;
+
+	if (s->stopping) {
+		on_deadline(&s->deadline);
+		return;
+	}
+	s->stopping = true;
+	s->on_stopped = on_stopped;
+	if (s->listening) {
+		uv_close((uv_handle_t *)&s->listener, NULL);
+		s->listening = false;
+		if (s->socket_created)
+			unlink(s->cfg->socket_path);
+	}
+	uv_timer_start(&s->deadline, on_deadline, STOP_DEADLINE_MS, 0);
+	for (c = s->conns; c; c = next) {
+		next = c->next;
+		conn_read_stop(c);
+		/* An unfinished line will never be finished now. */
+		if (!c->paused) {
+			framer_free(&c->fr);
+			framer_init(&c->fr, s->cfg->max_line_bytes);
+		}
+		conn_close_if_done(c);
+	}
+	server_maybe_stopped(s);
+}

@@ -1,0 +1,31 @@
+/* Counters the daemon exposes through the `stats` op. */
+#ifndef CONVOD_STATS_H
+#define CONVOD_STATS_H
+
+#include <jansson.h>
+#include <stdint.h>
+
+#include "error.h"
+#include "ops.h"
+
+struct stats {
+	uint64_t started_ms;
+	uint64_t connections_current;
+	uint64_t connections_accepted;
+	uint64_t connections_refused;
+	uint64_t requests_total;
+	uint64_t requests_by_op[OP_COUNT];
+	uint64_t errors_total;
+	uint64_t errors_by_code[ERR_INTERNAL + 1];
+	uint64_t messages;        /* messages in memory, over every conversation */
+	uint64_t conversations;   /* conversations in memory */
+	uint64_t flushed;         /* messages handed to the sink */
+};
+
+/* Counts one answered request: op (OP_UNKNOWN for unreadable lines) and its code. */
+void stats_request(struct stats *s, enum op op, enum error_code code);
+
+/* The `stats` result object (see proto/protocol.md for the names). New reference. */
+json_t *stats_to_json(const struct stats *s, uint64_t now_ms);
+
+#endif
