@@ -1,6 +1,8 @@
 /* The daemon's settings: defaults and command-line parsing. */
 #include "config.h"
 
+#include "store.h"
+
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -21,6 +23,17 @@ void config_defaults(struct config *cfg)
 	cfg->max_conversation_bytes = 64 * 1024 * 1024;
 	cfg->max_conversation_id_bytes = 256;
 	cfg->log_level = LOG_INFO;
+	cfg->durability = DURABILITY_PROCESS;
+	cfg->dynamodb_table = "convod";
+	cfg->flush_interval_ms = 1000;
+	cfg->idle_ms = 30000;
+	cfg->batch_items = 25;
+	cfg->retry_base_ms = 100;
+	cfg->retry_max_ms = 30000;
+	cfg->spool_max_items = 1000000;
+	cfg->expires_days = 0;
+	cfg->closed_retention_days = 30;
+	cfg->drain_ms = 5000;
 }
 
 void config_usage(const char *prog)
@@ -41,11 +54,35 @@ void config_usage(const char *prog)
 	       "  --max-conversation-bytes N       content bytes per conversation (default %zu)\n"
 	       "  --max-conversation-id-bytes N    conversation id length (default %zu)\n"
 	       "  --log-level debug|info|warn|error (default %s)\n"
+	       "Persistence:\n"
+	       "  --durability process|machine|none  when an answer is sent (default %s)\n"
+	       "  --memory-only                    no local store: nothing survives a restart\n"
+	       "  --dynamodb-table NAME            DynamoDB table when AWS_REGION or an\n"
+	       "                                   endpoint is set (default %s)\n"
+	       "  --create-table                   create the table at start (development)\n"
+	       "  --flush-interval MS              flusher period (default %llu)\n"
+	       "  --idle-ms MS                     idle time before the last message is\n"
+	       "                                   flushed too (default %llu)\n"
+	       "  --batch-items N                  items per BatchWriteItem, 1-25 (default %zu)\n"
+	       "  --retry-base-ms MS               first retry backoff cap (default %llu)\n"
+	       "  --retry-max-ms MS                largest retry backoff cap (default %llu)\n"
+	       "  --spool-max-items N              unsent items before mutating requests are\n"
+	       "                                   refused with unavailable (default %zu)\n"
+	       "  --expires-days N                 DynamoDB TTL attribute 'expires', 0 = none\n"
+	       "                                   (default %u)\n"
+	       "  --closed-retention-days N        closed conversations kept locally (default %u)\n"
+	       "  --drain-ms MS                    at shutdown, time left to send the spool\n"
+	       "                                   (default %llu)\n"
 	       "  --help                           this text\n"
 	       "  --version                        the version\n",
 	       prog, d.socket_path, d.state_dir, d.max_line_bytes, d.max_output_bytes,
 	       d.max_connections, d.max_conversations, d.max_messages, d.max_conversation_bytes,
-	       d.max_conversation_id_bytes, log_level_str(d.log_level));
+	       d.max_conversation_id_bytes, log_level_str(d.log_level),
+	       store_durability_str((enum durability)d.durability), d.dynamodb_table,
+	       (unsigned long long)d.flush_interval_ms, (unsigned long long)d.idle_ms,
+	       d.batch_items, (unsigned long long)d.retry_base_ms,
+	       (unsigned long long)d.retry_max_ms, d.spool_max_items, d.expires_days,
+	       d.closed_retention_days, (unsigned long long)d.drain_ms);
 }
 
 static int parse_size(const char *flag, const char *s, size_t min, size_t *out)
@@ -80,7 +117,34 @@ enum {
 	OPT_LOG_LEVEL,
 	OPT_HELP,
 	OPT_VERSION,
+	OPT_DURABILITY,
+	OPT_MEMORY_ONLY,
+	OPT_TABLE,
+	OPT_CREATE_TABLE,
+	OPT_FLUSH_INTERVAL,
+	OPT_IDLE_MS,
+	OPT_BATCH_ITEMS,
+	OPT_RETRY_BASE,
+	OPT_RETRY_MAX,
+	OPT_SPOOL_MAX,
+	OPT_EXPIRES_DAYS,
+	OPT_CLOSED_RETENTION,
+	OPT_DRAIN_MS,
 };
+
+static int parse_u64(const char *flag, const char *s, uint64_t min, uint64_t max, uint64_t *out)
+{
+	size_t v;
+	if (parse_size(flag, s, (size_t)min, &v) < 0)
+		return -EINVAL;
+	if ((uint64_t)v > max) {
+		fprintf(stderr, "convod: %s: expected at most %llu, got '%s'\n", flag,
+			(unsigned long long)max, s);
+		return -EINVAL;
+	}
+	*out = v;
+	return 0;
+}
 
 int config_parse_args(struct config *cfg, int argc, char **argv, enum config_action *action)
 {
@@ -97,6 +161,19 @@ int config_parse_args(struct config *cfg, int argc, char **argv, enum config_act
 		{"log-level", required_argument, NULL, OPT_LOG_LEVEL},
 		{"help", no_argument, NULL, OPT_HELP},
 		{"version", no_argument, NULL, OPT_VERSION},
+		{"durability", required_argument, NULL, OPT_DURABILITY},
+		{"memory-only", no_argument, NULL, OPT_MEMORY_ONLY},
+		{"dynamodb-table", required_argument, NULL, OPT_TABLE},
+		{"create-table", no_argument, NULL, OPT_CREATE_TABLE},
+		{"flush-interval", required_argument, NULL, OPT_FLUSH_INTERVAL},
+		{"idle-ms", required_argument, NULL, OPT_IDLE_MS},
+		{"batch-items", required_argument, NULL, OPT_BATCH_ITEMS},
+		{"retry-base-ms", required_argument, NULL, OPT_RETRY_BASE},
+		{"retry-max-ms", required_argument, NULL, OPT_RETRY_MAX},
+		{"spool-max-items", required_argument, NULL, OPT_SPOOL_MAX},
+		{"expires-days", required_argument, NULL, OPT_EXPIRES_DAYS},
+		{"closed-retention-days", required_argument, NULL, OPT_CLOSED_RETENTION},
+		{"drain-ms", required_argument, NULL, OPT_DRAIN_MS},
 		{NULL, 0, NULL, 0},
 	};
 	int c, rc = 0;
@@ -157,6 +234,68 @@ int config_parse_args(struct config *cfg, int argc, char **argv, enum config_act
 			break;
 		case OPT_VERSION:
 			*action = CONFIG_VERSION;
+			break;
+		case OPT_DURABILITY: {
+			enum durability dur;
+			if (store_durability_parse(optarg, &dur) < 0) {
+				fprintf(stderr,
+					"convod: --durability: expected process, machine or none, got "
+					"'%s'\n",
+					optarg);
+				return -EINVAL;
+			}
+			cfg->durability = (int)dur;
+			break;
+		}
+		case OPT_MEMORY_ONLY:
+			cfg->memory_only = true;
+			break;
+		case OPT_TABLE:
+			if (!*optarg) {
+				fprintf(stderr, "convod: --dynamodb-table: expected a table name\n");
+				return -EINVAL;
+			}
+			cfg->dynamodb_table = optarg;
+			break;
+		case OPT_CREATE_TABLE:
+			cfg->create_table = true;
+			break;
+		case OPT_FLUSH_INTERVAL:
+			rc = parse_u64("--flush-interval", optarg, 1, 3600000, &cfg->flush_interval_ms);
+			break;
+		case OPT_IDLE_MS:
+			rc = parse_u64("--idle-ms", optarg, 0, UINT64_C(86400000), &cfg->idle_ms);
+			break;
+		case OPT_BATCH_ITEMS:
+			rc = parse_size("--batch-items", optarg, 1, &cfg->batch_items);
+			if (rc == 0 && cfg->batch_items > 25) {
+				fprintf(stderr, "convod: --batch-items: at most 25 (DynamoDB's limit)\n");
+				rc = -EINVAL;
+			}
+			break;
+		case OPT_RETRY_BASE:
+			rc = parse_u64("--retry-base-ms", optarg, 1, 3600000, &cfg->retry_base_ms);
+			break;
+		case OPT_RETRY_MAX:
+			rc = parse_u64("--retry-max-ms", optarg, 1, 3600000, &cfg->retry_max_ms);
+			break;
+		case OPT_SPOOL_MAX:
+			rc = parse_size("--spool-max-items", optarg, 1, &cfg->spool_max_items);
+			break;
+		case OPT_EXPIRES_DAYS: {
+			uint64_t v = 0;
+			rc = parse_u64("--expires-days", optarg, 0, 36500, &v);
+			cfg->expires_days = (uint32_t)v;
+			break;
+		}
+		case OPT_CLOSED_RETENTION: {
+			uint64_t v = 0;
+			rc = parse_u64("--closed-retention-days", optarg, 0, 36500, &v);
+			cfg->closed_retention_days = (uint32_t)v;
+			break;
+		}
+		case OPT_DRAIN_MS:
+			rc = parse_u64("--drain-ms", optarg, 0, 3600000, &cfg->drain_ms);
 			break;
 		case ':':
 			fprintf(stderr, "convod: %s: missing value\n", argv[optind - 1]);

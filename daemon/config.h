@@ -2,7 +2,9 @@
 #ifndef CONVOD_CONFIG_H
 #define CONVOD_CONFIG_H
 
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "log.h"
 
@@ -17,6 +19,19 @@ struct config {
 	size_t max_conversation_bytes;
 	size_t max_conversation_id_bytes;
 	enum log_level log_level;
+	/* Persistence (persistence.md). */
+	bool memory_only;            /* no store at all: close forgets, restart loses everything */
+	int durability;              /* enum durability of store.h */
+	const char *dynamodb_table;
+	uint64_t flush_interval_ms;
+	uint64_t idle_ms;            /* a conversation idle this long has its last message flushed */
+	size_t batch_items;
+	uint64_t retry_base_ms, retry_max_ms;
+	size_t spool_max_items;
+	uint32_t expires_days;       /* DynamoDB TTL attribute; 0 = none */
+	uint32_t closed_retention_days; /* closed conversations kept in the local store */
+	uint64_t drain_ms;           /* at shutdown, how long the flusher may keep sending */
+	bool create_table;
 };
 
 /* Fills the defaults. */

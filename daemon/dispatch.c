@@ -7,6 +7,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "ddbitem.h"
 #include "log.h"
 #include "ops.h"
 
@@ -17,13 +18,23 @@ int64_t dispatch_now_ms(void)
 	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-int dispatch_init(struct dispatch *d, const struct config *cfg)
+enum {
+	FLAG_STORE_DIRTY = 1u << 0, /* on d->store_dirty */
+	FLAG_SINK_DIRTY = 1u << 1,  /* on d->sink_dirty */
+	FLAG_CLOSING = 1u << 2,     /* closed: dropped from memory once the sink confirmed all */
+};
+
+int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *store,
+		  struct sink *sink)
 {
 	uint8_t seed[48];
 	size_t got = 0;
 
 	memset(d, 0, sizeof(*d));
 	d->cfg = cfg;
+	d->store = store;
+	d->sink = sink;
+	d->remote = sink && sink_remote(sink);
 	while (got < sizeof(seed)) {
 		ssize_t n = getrandom(seed + got, sizeof(seed) - got, 0);
 		if (n < 0) {
@@ -39,15 +50,466 @@ int dispatch_init(struct dispatch *d, const struct config *cfg)
 	return 0;
 }
 
+static void marks_clear(struct dispatch *d)
+{
+	for (size_t i = 0; i < d->nmarks; i++)
+		json_decref(d->marks[i].id);
+	d->nmarks = 0;
+}
+
+static void spooled_clear(struct dispatch *d)
+{
+	for (size_t i = 0; i < d->nspooled; i++)
+		free(d->spooled[i].conv);
+	d->nspooled = 0;
+}
+
 void dispatch_free(struct dispatch *d)
 {
+	marks_clear(d);
+	free(d->marks);
+	spooled_clear(d);
+	free(d->spooled);
 	registry_free(&d->reg);
 }
 
-int dispatch_commit(struct dispatch *d)
+/* The dirty lists. A conversation is on the store list until a commit succeeds and on the
+ * sink list while the flusher has something to take from it. */
+static void mark_store_dirty(struct dispatch *d, struct convo *c)
 {
+	d->changed = true;
+	if (!d->store || (c->daemon_flags & FLAG_STORE_DIRTY))
+		return;
+	c->daemon_flags |= FLAG_STORE_DIRTY;
+	c->daemon_next_store = d->store_dirty;
+	d->store_dirty = c;
+}
+
+static void mark_sink_dirty(struct dispatch *d, struct convo *c)
+{
+	if (!d->remote || (c->daemon_flags & FLAG_SINK_DIRTY))
+		return;
+	c->daemon_flags |= FLAG_SINK_DIRTY;
+	c->daemon_prev_sink = NULL;
+	c->daemon_next_sink = d->sink_dirty;
+	if (d->sink_dirty)
+		d->sink_dirty->daemon_prev_sink = c;
+	d->sink_dirty = c;
+}
+
+static void unmark_sink_dirty(struct dispatch *d, struct convo *c)
+{
+	if (!(c->daemon_flags & FLAG_SINK_DIRTY))
+		return;
+	if (c->daemon_prev_sink)
+		c->daemon_prev_sink->daemon_next_sink = c->daemon_next_sink;
+	else
+		d->sink_dirty = c->daemon_next_sink;
+	if (c->daemon_next_sink)
+		c->daemon_next_sink->daemon_prev_sink = c->daemon_prev_sink;
+	c->daemon_next_sink = c->daemon_prev_sink = NULL;
+	c->daemon_flags &= ~(unsigned int)FLAG_SINK_DIRTY;
+}
+
+/* True if some message of c has not been taken by the sink. */
+static bool sink_has_pending(const struct convo *c)
+{
+	for (size_t i = c->scan_from[CONSUMER_SINK]; i < c->nlog; i++)
+		if (convo_pending(c->log[i], CONSUMER_SINK))
+			return true;
+	return false;
+}
+
+/* Removes c from the registry and the lists, and frees it. */
+static void drop_conversation(struct dispatch *d, struct convo *c)
+{
+	unmark_sink_dirty(d, c);
+	convo_free(registry_take(&d->reg, c->id, c->id_len));
+}
+
+static int ensure_tx(struct dispatch *d)
+{
+	int rc;
+	if (!d->store)
+		return 0;
+	if (store_in_transaction(d->store))
+		return 0;
+	rc = store_begin(d->store);
+	if (rc < 0 && !d->tx_error)
+		d->tx_error = rc;
+	return rc;
+}
+
+/* The sort key of persistence.md: the id; for a summary, the last summarized id, '~', id. */
+static void message_sk(const struct message *m, char *sk, size_t size)
+{
+	if (m->role == ROLE_SUMMARY && m->nsummary_ids > 0)
+		snprintf(sk, size, "%s~%s", m->summary_ids[m->nsummary_ids - 1], m->id);
+	else
+		snprintf(sk, size, "%s", m->id);
+}
+
+struct take_ctx {
+	struct dispatch *d;
+	struct convo *c;
+	int64_t now_ms;
+};
+
+static void store_take_cb(void *arg, const struct message *m, size_t index)
+{
+	struct take_ctx *t = arg;
+	int rc;
+
+	(void)index;
+	if (t->d->tx_error)
+		return;
+	rc = store_put_message(t->d->store, t->c->id, t->c->id_len, m);
+	if (rc < 0)
+		t->d->tx_error = rc;
+}
+
+static void spool_take_cb(void *arg, const struct message *m, size_t index)
+{
+	struct take_ctx *t = arg;
+	struct dispatch *d = t->d;
+	struct spool_entry *e;
+	int rc;
+
+	(void)index;
+	d->stats.flushed++;
+	if (!d->remote || d->tx_error)
+		return;
+	if (d->nspooled == d->capspooled) {
+		size_t ncap = d->capspooled ? 2 * d->capspooled : 256;
+		struct spool_entry *p = realloc(d->spooled, ncap * sizeof(*p));
+		if (!p) {
+			d->tx_error = -ENOMEM;
+			return;
+		}
+		d->spooled = p;
+		d->capspooled = ncap;
+	}
+	e = &d->spooled[d->nspooled];
+	message_sk(m, e->sk, sizeof(e->sk));
+	e->conv = malloc(t->c->id_len + 1);
+	if (!e->conv) {
+		d->tx_error = -ENOMEM;
+		return;
+	}
+	memcpy(e->conv, t->c->id, t->c->id_len + 1);
+	e->conv_len = t->c->id_len;
+	e->version = m->version;
+	e->at_ms = t->now_ms;
+	rc = store_spool_put(d->store, e->conv, e->conv_len, e->sk, e->version, e->at_ms);
+	if (rc < 0) {
+		free(e->conv);
+		d->tx_error = rc;
+		return;
+	}
+	d->nspooled++;
+}
+
+/* The flusher's snapshot of c into the spool: new or changed messages, the last one only
+ * when include_last. Returns how many were taken. */
+static size_t sink_take(struct dispatch *d, struct convo *c, bool include_last)
+{
+	struct take_ctx t = {d, c, dispatch_now_ms()};
+	size_t n;
+
+	if (d->remote && ensure_tx(d) < 0)
+		return 0;
+	n = convo_take(c, CONSUMER_SINK, !include_last, spool_take_cb, &t);
+	if (n)
+		d->changed = true;
+	if (d->remote) {
+		if (sink_has_pending(c))
+			mark_sink_dirty(d, c);
+		else
+			unmark_sink_dirty(d, c);
+	}
+	return n;
+}
+
+/* With the local store as the sink, what the store holds is what the sink has: nothing
+ * of a loaded conversation is left to take. */
+static void loaded_from_store(struct dispatch *d, struct convo *c)
+{
+	if (d->remote)
+		return;
+	for (size_t i = 0; i < c->nlog; i++)
+		c->log[i]->seen[CONSUMER_SINK] = c->log[i]->version;
+	c->scan_from[CONSUMER_SINK] = c->nlog;
+}
+
+/* After a failed commit: the store holds the state before the turn; make memory match. */
+static void revert_to_store(struct dispatch *d)
+{
+	struct convo *c, *next, *keep = NULL;
+
+	for (c = d->store_dirty; c; c = next) {
+		struct convo *fresh = NULL;
+		int rc;
+
+		next = c->daemon_next_store;
+		c->daemon_flags &= ~(unsigned int)FLAG_STORE_DIRTY;
+		c->daemon_next_store = NULL;
+		rc = store_load_conversation(d->store, c->id, c->id_len, &fresh);
+		if (rc == 0)
+			loaded_from_store(d, fresh);
+		if (rc == -ENOENT) {
+			drop_conversation(d, c); /* created in the failed turn */
+			continue;
+		}
+		if (rc < 0) {
+			/* Cannot read it back either: keep memory, write it all again next time. */
+			for (size_t i = 0; i < c->nlog; i++)
+				c->log[i]->seen[CONSUMER_STORE] = 0;
+			c->scan_from[CONSUMER_STORE] = 0;
+			c->daemon_next_store = keep;
+			c->daemon_flags |= FLAG_STORE_DIRTY;
+			keep = c;
+			continue;
+		}
+		unmark_sink_dirty(d, c);
+		convo_free(registry_take(&d->reg, c->id, c->id_len));
+		if (registry_put(&d->reg, fresh) < 0) {
+			convo_free(fresh);
+			continue;
+		}
+		if (sink_has_pending(fresh))
+			mark_sink_dirty(d, fresh);
+	}
+	d->store_dirty = keep;
+}
+
+/* Rewrites the turn's dependent ok answers as `unavailable`, buffer by buffer. */
+static void fail_marked_answers(struct dispatch *d, const char *why)
+{
+	for (size_t i = 0; i < d->nmarks; i++) {
+		struct buf *out = d->marks[i].out, fresh = {NULL, 0, 0};
+		size_t pos = 0;
+
+		if (!out)
+			continue;
+		for (size_t j = i; j < d->nmarks; j++) {
+			struct answer_mark *m = &d->marks[j];
+			struct error err;
+			if (m->out != out)
+				continue;
+			m->out = NULL;
+			if (m->end > out->len || m->start < pos)
+				continue; /* the connection went away */
+			buf_append(&fresh, out->data + pos, m->start - pos);
+			error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later", why);
+			d->stats.errors_total++;
+			d->stats.errors_by_code[ERR_UNAVAILABLE]++;
+			{
+				/* The same envelope as answer_error, without counting a request. */
+				json_t *e = json_pack("{s:s, s:s}", "code", "unavailable", "message",
+						      err.message);
+				buf_append(&fresh, "{", 1);
+				if (m->id) {
+					buf_append(&fresh, "\"id\":", 5);
+					buf_append_json(&fresh, m->id);
+					buf_append(&fresh, ",", 1);
+				}
+				buf_append(&fresh, "\"ok\":false,\"error\":", 19);
+				buf_append_json(&fresh, e);
+				buf_append(&fresh, "}\n", 2);
+				json_decref(e);
+			}
+			pos = m->end;
+		}
+		buf_append(&fresh, out->data + pos, out->len - pos);
+		buf_free(out);
+		*out = fresh;
+	}
+}
+
+void dispatch_commit(struct dispatch *d, bool force)
+{
+	struct convo *c, *next;
+	int rc = 0;
+
+	if (!d->store) {
+		marks_clear(d);
+		d->changed = false;
+		return;
+	}
+	if (d->cfg->durability == DURABILITY_NONE && !force && !d->tx_error) {
+		/* Answers go out now; the flush timer writes and commits. */
+		marks_clear(d);
+		d->changed = false;
+		return;
+	}
+	if (d->changed || d->store_dirty)
+		ensure_tx(d);
+	for (c = d->store_dirty; c && !d->tx_error; c = c->daemon_next_store) {
+		struct take_ctx t = {d, c, 0};
+		convo_take(c, CONSUMER_STORE, false, store_take_cb, &t);
+		if (!d->tx_error && (rc = store_put_conversation(d->store, c)) < 0)
+			d->tx_error = rc;
+	}
 	d->changed = false;
+	if (!store_in_transaction(d->store) && !d->tx_error) {
+		marks_clear(d);
+		return;
+	}
+	if (d->tx_error) {
+		rc = d->tx_error;
+		store_rollback(d->store);
+	} else {
+		rc = store_commit(d->store);
+	}
+	d->tx_error = 0;
+	if (rc < 0) {
+		const char *why = rc == -ENOSPC ? "the local store is full (disk full)"
+						: "the local store cannot be written";
+		if (!d->store_failing)
+			log_msg(LOG_ERROR, "store", "commit failed: %s (%s); answering unavailable",
+				why, strerror(-rc));
+		d->store_failing = true;
+		fail_marked_answers(d, why);
+		marks_clear(d);
+		spooled_clear(d);
+		revert_to_store(d);
+		return;
+	}
+	if (d->store_failing)
+		log_msg(LOG_INFO, "store", "commits succeed again");
+	d->store_failing = false;
+	marks_clear(d);
+	for (size_t i = 0; i < d->nspooled; i++) {
+		struct spool_entry *e = &d->spooled[i];
+		if (sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version, e->at_ms) < 0)
+			log_msg(LOG_ERROR, "sink", "out of memory queueing a write; it stays in the spool");
+	}
+	spooled_clear(d);
+	for (c = d->store_dirty, d->store_dirty = NULL; c; c = next) {
+		next = c->daemon_next_store;
+		c->daemon_next_store = NULL;
+		c->daemon_flags &= ~(unsigned int)FLAG_STORE_DIRTY;
+		if ((c->daemon_flags & FLAG_CLOSING) &&
+		    (!d->remote || sink_pending(d->sink, c->id, c->id_len) == 0))
+			drop_conversation(d, c);
+	}
+	if (d->sink)
+		sink_kick(d->sink);
+}
+
+bool dispatch_pending_commit(const struct dispatch *d)
+{
+	if (d->changed || d->tx_error)
+		return true;
+	return d->store && d->cfg->durability != DURABILITY_NONE &&
+	       store_in_transaction(d->store);
+}
+
+void dispatch_settled(void *arg, const char *conv, size_t conv_len)
+{
+	struct dispatch *d = arg;
+	struct convo *c = registry_get(&d->reg, conv, conv_len);
+
+	if (c && (c->daemon_flags & FLAG_CLOSING) && !(c->daemon_flags & FLAG_STORE_DIRTY) &&
+	    !sink_has_pending(c))
+		drop_conversation(d, c);
+}
+
+void dispatch_flush_tick(struct dispatch *d, bool all)
+{
+	int64_t now = dispatch_now_ms();
+	struct convo *c, *next;
+	static uint64_t ticks;
+
+	for (c = d->sink_dirty; c; c = next) {
+		next = c->daemon_next_sink;
+		sink_take(d, c, all || now - c->updated_ms >= (int64_t)d->cfg->idle_ms);
+	}
+	if (d->store && d->cfg->closed_retention_days && ++ticks % 3600 == 1) {
+		size_t removed = 0;
+		int64_t before = now - (int64_t)d->cfg->closed_retention_days * 86400000;
+		if (ensure_tx(d) == 0 && store_purge_closed(d->store, before, &removed) == 0 &&
+		    removed)
+			log_msg(LOG_INFO, "store", "removed %zu closed conversations past retention",
+				removed);
+		d->changed = true;
+	}
+	dispatch_commit(d, true);
+}
+
+static int restore_one(void *arg, struct convo *c)
+{
+	struct dispatch *d = arg;
+	loaded_from_store(d, c);
+	if (registry_put(&d->reg, c) < 0) {
+		convo_free(c);
+		return -ENOMEM;
+	}
+	if (sink_has_pending(c))
+		mark_sink_dirty(d, c);
 	return 0;
+}
+
+static int spool_one(void *arg, const char *conv, size_t conv_len, const char *sk,
+		     uint32_t version, int64_t enqueued_ms)
+{
+	struct dispatch *d = arg;
+	return sink_enqueue(d->sink, conv, conv_len, sk, version, enqueued_ms);
+}
+
+int dispatch_restore(struct dispatch *d)
+{
+	uint64_t items = 0, bytes = 0;
+	int64_t oldest = 0;
+	int rc;
+
+	if (!d->store)
+		return 0;
+	rc = store_load_open(d->store, restore_one, d);
+	if (rc < 0) {
+		log_msg(LOG_ERROR, "store", "cannot restore conversations: %s", strerror(-rc));
+		return rc;
+	}
+	if (store_spool_stats(d->store, &items, &bytes, &oldest) == 0 && items) {
+		if (d->remote) {
+			rc = store_spool_each(d->store, spool_one, d);
+			if (rc < 0) {
+				log_msg(LOG_ERROR, "store", "cannot read the spool: %s", strerror(-rc));
+				return rc;
+			}
+		} else {
+			log_msg(LOG_WARN, "store",
+				"%llu spool rows wait for DynamoDB, which is not configured now",
+				(unsigned long long)items);
+		}
+	}
+	log_msg(LOG_INFO, "store", "restored %zu conversations; %llu writes pending",
+		d->reg.count, (unsigned long long)items);
+	return 0;
+}
+
+/* Records an ok answer at out[start..] that the commit must confirm. */
+static void mark_answer(struct dispatch *d, struct buf *out, size_t start, const json_t *id,
+			enum op op)
+{
+	if (!d->store || d->cfg->durability == DURABILITY_NONE)
+		return;
+	if (d->nmarks == d->capmarks) {
+		size_t ncap = d->capmarks ? 2 * d->capmarks : 64;
+		struct answer_mark *p = realloc(d->marks, ncap * sizeof(*p));
+		if (!p) {
+			d->tx_error = -ENOMEM; /* cannot track it: fail the turn safely */
+			return;
+		}
+		d->marks = p;
+		d->capmarks = ncap;
+	}
+	d->marks[d->nmarks].out = out;
+	d->marks[d->nmarks].start = start;
+	d->marks[d->nmarks].end = out->len;
+	d->marks[d->nmarks].id = id ? json_incref((json_t *)id) : NULL;
+	d->marks[d->nmarks].op = (int)op;
+	d->nmarks++;
 }
 
 /* Writes {"id":ID,"ok":false,"error":{...}}; id may be NULL (left out). */
@@ -174,21 +636,6 @@ static void count_messages(void *arg, struct convo *c)
 	*(uint64_t *)arg += c->nlog;
 }
 
-static void sink_take_noop(void *arg, const struct message *m, size_t index)
-{
-	(void)arg;
-	(void)m;
-	(void)index;
-}
-
-/* Hands everything pending of c, last message included, to the sink. */
-static size_t flush_one(struct dispatch *d, struct convo *c)
-{
-	size_t n = convo_take(c, CONSUMER_SINK, false, sink_take_noop, NULL);
-	d->stats.flushed += n;
-	return n;
-}
-
 struct flush_all_ctx {
 	struct dispatch *d;
 	size_t n;
@@ -197,7 +644,7 @@ struct flush_all_ctx {
 static void flush_each(void *arg, struct convo *c)
 {
 	struct flush_all_ctx *ctx = arg;
-	ctx->n += flush_one(ctx->d, c);
+	ctx->n += sink_take(ctx->d, c, true);
 }
 
 static int cmp_convo(const void *a, const void *b)
@@ -251,7 +698,157 @@ out:
 	return res;
 }
 
-void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf *out)
+struct restore_wait {
+	struct dispatch *d;
+	char *conv; /* owned */
+	size_t conv_len;
+	void **waiters; /* NULL entries were canceled */
+	size_t nwaiters, cap;
+	struct restore_wait *next;
+};
+
+static struct restore_wait *restore_find(struct dispatch *d, const char *conv, size_t len)
+{
+	for (struct restore_wait *r = d->restores; r; r = r->next)
+		if (r->conv_len == len && memcmp(r->conv, conv, len) == 0)
+			return r;
+	return NULL;
+}
+
+static int restore_add_waiter(struct restore_wait *r, void *waiter)
+{
+	if (r->nwaiters == r->cap) {
+		size_t ncap = r->cap ? 2 * r->cap : 4;
+		void **p = realloc(r->waiters, ncap * sizeof(*p));
+		if (!p)
+			return -ENOMEM;
+		r->waiters = p;
+		r->cap = ncap;
+	}
+	r->waiters[r->nwaiters++] = waiter;
+	return 0;
+}
+
+void dispatch_cancel_wait(struct dispatch *d, void *waiter)
+{
+	for (struct restore_wait *r = d->restores; r; r = r->next)
+		for (size_t i = 0; i < r->nwaiters; i++)
+			if (r->waiters[i] == waiter)
+				r->waiters[i] = NULL;
+}
+
+/* Builds a conversation from DynamoDB items (sort-key order). NULL when they do not make a
+ * valid log (logged). */
+static struct convo *convo_from_items(const char *conv, size_t len, const json_t *items)
+{
+	struct convo *c = convo_new(conv, len);
+	struct error err = {ERR_OK, ""};
+	const json_t *item;
+	size_t i;
+
+	if (!c)
+		return NULL;
+	json_array_foreach(items, i, item) {
+		json_t *map = NULL;
+		uint32_t version = 0;
+		int64_t updated = 0;
+		struct message *m = NULL;
+
+		if (ddbitem_to_map(item, NULL, &map, &version, &updated, &err) != ERR_OK ||
+		    message_from_map(map, version, &m, &err) != ERR_OK) {
+			json_decref(map);
+			goto bad;
+		}
+		json_decref(map);
+		m->updated_ms = updated;
+		/* Already in DynamoDB; not yet in the local store. */
+		m->seen[CONSUMER_SINK] = version;
+		m->seen[CONSUMER_STORE] = 0;
+		if (convo_restore_append(c, m) < 0)
+			goto bad;
+	}
+	if (convo_restore_finish(c, &err) != ERR_OK)
+		goto bad;
+	return c;
+bad:
+	log_msg(LOG_ERROR, "sink", "conversation %.*s from DynamoDB is not valid: %s",
+		(int)(len > 64 ? 64 : len), conv, err.message);
+	convo_free(c);
+	return NULL;
+}
+
+static void on_restore_query(void *arg, int status, const json_t *items)
+{
+	struct restore_wait *r = arg, **pp;
+	struct dispatch *d = r->d;
+	enum dispatch_remote outcome = DISPATCH_REMOTE_ABSENT;
+
+	if (status < 0) {
+		outcome = DISPATCH_REMOTE_FAILED;
+		log_msg(LOG_WARN, "sink", "cannot look up conversation %.*s in DynamoDB: %s",
+			(int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, strerror(-status));
+	} else if (items && json_array_size(items) > 0 &&
+		   !registry_get(&d->reg, r->conv, r->conv_len)) {
+		struct convo *c = convo_from_items(r->conv, r->conv_len, items);
+		if (!c) {
+			outcome = DISPATCH_REMOTE_FAILED;
+		} else if (registry_put(&d->reg, c) < 0) {
+			convo_free(c);
+			outcome = DISPATCH_REMOTE_FAILED;
+		} else {
+			log_msg(LOG_INFO, "sink", "restored %.*s from DynamoDB (%zu messages)",
+				(int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, c->nlog);
+			mark_store_dirty(d, c);
+		}
+	}
+	for (pp = &d->restores; *pp; pp = &(*pp)->next)
+		if (*pp == r) {
+			*pp = r->next;
+			break;
+		}
+	for (size_t i = 0; i < r->nwaiters; i++)
+		if (r->waiters[i] && d->on_ready)
+			d->on_ready(r->waiters[i], outcome);
+	free(r->waiters);
+	free(r->conv);
+	free(r);
+}
+
+/* Starts (or joins) the lookup of conv in DynamoDB. 0 or -errno. */
+static int restore_start(struct dispatch *d, const char *conv, size_t len, void *waiter)
+{
+	struct restore_wait *r = restore_find(d, conv, len);
+	int rc;
+
+	if (r)
+		return restore_add_waiter(r, waiter);
+	r = calloc(1, sizeof(*r));
+	if (!r)
+		return -ENOMEM;
+	r->d = d;
+	r->conv = malloc(len + 1);
+	if (!r->conv || restore_add_waiter(r, waiter) < 0) {
+		free(r->conv);
+		free(r);
+		return -ENOMEM;
+	}
+	memcpy(r->conv, conv, len);
+	r->conv[len] = '\0';
+	r->conv_len = len;
+	rc = sink_query(d->sink, conv, len, on_restore_query, r);
+	if (rc < 0) {
+		free(r->waiters);
+		free(r->conv);
+		free(r);
+		return rc;
+	}
+	r->next = d->restores;
+	d->restores = r;
+	return 0;
+}
+
+enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
+				   struct buf *out, void *waiter, enum dispatch_remote remote)
 {
 	json_t *req = NULL, *result = NULL;
 	const json_t *id = NULL, *opv;
@@ -266,7 +863,7 @@ void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf 
 	struct convo_env env;
 
 	if (is_blank(line, len))
-		return;
+		return DISPATCH_DONE;
 	req = json_loadb(line, len, JSON_ALLOW_NUL, &jerr);
 	if (!req) {
 		error_set(&err, ERR_PARSE_ERROR, "invalid JSON at column %d: %s", jerr.column,
@@ -313,6 +910,10 @@ void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf 
 		d->stats.messages = 0;
 		registry_each(&d->reg, count_messages, &d->stats.messages);
 		result = stats_to_json(&d->stats, (uint64_t)dispatch_now_ms());
+		if (result && d->sink) {
+			json_object_set_new(result, "spool", sink_stats_spool(d->sink));
+			json_object_set_new(result, "sink", sink_stats_sink(d->sink));
+		}
 		goto ok;
 	case OP_LIST:
 		result = list_result(d);
@@ -322,7 +923,7 @@ void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf 
 			struct flush_all_ctx ctx = {d, 0};
 			registry_each(&d->reg, flush_each, &ctx);
 			result = json_pack("{s:I}", "flushed", (json_int_t)ctx.n);
-			goto ok;
+			goto ok_commit;
 		}
 		break;
 	default:
@@ -330,6 +931,53 @@ void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf 
 	}
 
 	c = registry_get(&d->reg, cid, cid_len);
+	if (!c && d->store) {
+		int rc = store_load_conversation(d->store, cid, cid_len, &c);
+		if (rc == 0) {
+			loaded_from_store(d, c);
+			if (d->reg.count >= d->cfg->max_conversations) {
+				convo_free(c);
+				error_set(&err, ERR_UNAVAILABLE,
+					  "too many conversations in memory (limit %zu); retry later",
+					  d->cfg->max_conversations);
+				goto fail;
+			}
+			if (registry_put(&d->reg, c) < 0) {
+				convo_free(c);
+				error_set(&err, ERR_INTERNAL, "out of memory");
+				goto fail;
+			}
+			if (sink_has_pending(c))
+				mark_sink_dirty(d, c);
+		} else if (rc != -ENOENT) {
+			c = NULL;
+			error_set(&err, ERR_UNAVAILABLE, "conversation: cannot be read from the local "
+							 "store; retry later");
+			goto fail;
+		} else {
+			c = NULL;
+		}
+	}
+	if (!c && d->remote && remote == DISPATCH_REMOTE_CHECK && waiter) {
+		int rc = restore_start(d, cid, cid_len, waiter);
+		if (rc == 0) {
+			json_decref(req);
+			return DISPATCH_WAIT;
+		}
+		remote = DISPATCH_REMOTE_FAILED;
+	}
+	if (!c && remote == DISPATCH_REMOTE_FAILED && !ops_creates(op)) {
+		/* It may exist in DynamoDB: not_found would be a guess. A new conversation is
+		 * created all the same (availability first; see proto/protocol.md). */
+		error_set(&err, ERR_UNAVAILABLE,
+			  "conversation: cannot be looked up in DynamoDB now; retry later");
+		goto fail;
+	}
+	if (c && (c->daemon_flags & FLAG_CLOSING) && op != OP_CLOSE) {
+		/* Used again before it left memory: it is open again. */
+		c->daemon_flags &= ~(unsigned int)FLAG_CLOSING;
+		mark_store_dirty(d, c);
+	}
 	if (!c) {
 		if (!ops_creates(op)) {
 			error_set(&err, ERR_NOT_FOUND, "conversation: no conversation '%.*s'",
@@ -351,15 +999,35 @@ void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf 
 	}
 
 	if (op == OP_FLUSH || op == OP_CLOSE) {
-		size_t n = flush_one(d, c);
+		size_t n = sink_take(d, c, true);
 		if (op == OP_CLOSE) {
-			/* Memory only: nothing else holds it, so it is gone for good. */
-			convo_free(registry_take(&d->reg, cid, cid_len));
+			if (!d->store) {
+				/* Memory only: nothing else holds it, so it is gone for good. */
+				drop_conversation(d, c);
+			} else {
+				int rc = ensure_tx(d);
+				if (rc == 0)
+					rc = store_set_closed(d->store, c->id, c->id_len,
+							      dispatch_now_ms());
+				if (rc < 0 && !d->tx_error)
+					d->tx_error = rc;
+				c->daemon_flags |= FLAG_CLOSING;
+				/* Dropped after the commit, once the sink confirmed everything. */
+				mark_store_dirty(d, c);
+			}
 			c = NULL;
-			d->changed = true;
 		}
 		result = json_pack("{s:I}", "flushed", (json_int_t)n);
-		goto ok;
+		goto ok_commit;
+	}
+
+	if (d->sink && ops_mutates(op) && sink_full(d->sink)) {
+		error_set(&err, ERR_UNAVAILABLE,
+			  "the spool holds %zu unsent writes (limit %zu); retry later",
+			  sink_depth(d->sink), d->cfg->spool_max_items);
+		if (created)
+			convo_free(c);
+		goto fail;
 	}
 
 	env.ulid = &d->ulid;
@@ -380,15 +1048,28 @@ void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf 
 		error_set(&err, ERR_INTERNAL, "out of memory");
 		goto fail;
 	}
-	if (changed)
-		d->changed = true;
+	if (changed) {
+		mark_store_dirty(d, c);
+		mark_sink_dirty(d, c);
+		goto ok_commit;
+	}
 ok:
 	answer_ok(d, out, id, op, result);
 	json_decref(req);
-	return;
+	return DISPATCH_DONE;
+ok_commit:
+	/* An answer that only holds once the turn's commit succeeds. */
+	{
+		size_t start = out->len;
+		answer_ok(d, out, id, op, result);
+		mark_answer(d, out, start, id, op);
+	}
+	json_decref(req);
+	return DISPATCH_DONE;
 fail:
 	if (err.code == ERR_INTERNAL)
 		log_msg(LOG_ERROR, "dispatch", "internal error: %s", err.message);
 	answer_error(d, out, id, op, &err);
 	json_decref(req);
+	return DISPATCH_DONE;
 }

@@ -1,6 +1,9 @@
-/* From one request line to one response line: parse, check the envelope, find or create
- * the conversation, run the op, write the answer. No I/O: the server hands lines in and
- * writes the buffer out after the turn's commit. */
+/* From one request line to one response line: parse, check the envelope, find, restore or
+ * create the conversation, run the op, write the answer. Also the group commit of each
+ * loop turn (every change of the turn in one store transaction before any answer is
+ * written) and the flusher's snapshots into the spool. No sockets and no timers here: the
+ * server hands lines in and calls dispatch_commit at the end of the turn; main.c runs the
+ * flush timer. */
 #ifndef CONVOD_DISPATCH_H
 #define CONVOD_DISPATCH_H
 
@@ -10,32 +13,111 @@
 #include "buf.h"
 #include "config.h"
 #include "registry.h"
+#include "sink.h"
 #include "stats.h"
+#include "store.h"
 #include "ulid.h"
+
+/* An ok answer of this turn that depends on the commit: turned into `unavailable` when the
+ * commit fails. */
+struct answer_mark {
+	struct buf *out;
+	size_t start, end;
+	json_t *id; /* owned reference, or NULL */
+	int op;
+};
+
+/* A spool row written in this turn's transaction, handed to the sink once it commits. */
+struct spool_entry {
+	char *conv; /* owned */
+	size_t conv_len;
+	char sk[2 * ULID_LEN + 2];
+	uint32_t version;
+	int64_t at_ms;
+};
+
+/* How a request may look for a conversation the daemon does not hold in DynamoDB. */
+enum dispatch_remote {
+	DISPATCH_REMOTE_CHECK = 0, /* query DynamoDB (the request waits) */
+	DISPATCH_REMOTE_ABSENT,    /* already queried: not there */
+	DISPATCH_REMOTE_FAILED,    /* already queried: DynamoDB could not be reached */
+};
+
+/* The outcome of dispatch_line. */
+enum dispatch_result {
+	DISPATCH_DONE = 0, /* answered into out (or a blank line) */
+	DISPATCH_WAIT,     /* waiting for a restore from DynamoDB: hold the line, serve nothing
+			    * more on that connection until the ready callback, then dispatch the
+			    * same line again with the remote outcome it gives */
+};
+
+/* Called when a restore the waiter waited for is over. */
+typedef void (*dispatch_ready_cb)(void *waiter, enum dispatch_remote outcome);
+
+struct restore_wait;
 
 struct dispatch {
 	const struct config *cfg; /* borrowed */
 	struct registry reg;
 	struct stats stats;
 	struct ulid_gen ulid;
-	bool changed;             /* a mutation happened since the last dispatch_commit */
+	struct store *store;      /* borrowed; NULL when memory only */
+	struct sink *sink;        /* borrowed; NULL when memory only */
+	bool remote;              /* the sink sends to DynamoDB */
+	bool changed;             /* something to commit this turn */
+	int tx_error;             /* a store write of this turn failed: the commit must fail */
+	struct convo *store_dirty; /* changed since the last successful commit */
+	struct convo *sink_dirty;  /* with messages the flusher has not taken (remote only) */
+	struct answer_mark *marks;
+	size_t nmarks, capmarks;
+	struct spool_entry *spooled;
+	size_t nspooled, capspooled;
+	bool store_failing;       /* the last commit failed (logged once until it recovers) */
+	struct restore_wait *restores; /* restores from DynamoDB in progress */
+	dispatch_ready_cb on_ready;
 };
 
-/* Seeds the id generator and hash key from the kernel's randomness. 0 or -errno. */
-int dispatch_init(struct dispatch *d, const struct config *cfg);
-/* Frees every conversation. */
+/* Seeds the id generator and hash key from the kernel's randomness. store and sink may be
+ * NULL (memory only). 0 or -errno. */
+int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *store,
+		  struct sink *sink);
+/* Frees every conversation and the turn's bookkeeping. */
 void dispatch_free(struct dispatch *d);
 
+/* Loads every conversation the store holds open (restart) and hands the spool to the sink.
+ * 0 or -errno after logging. */
+int dispatch_restore(struct dispatch *d);
+
 /* Answers one request line (without its terminator) into out. Blank lines produce no
- * answer. Never fails: an allocation failure becomes an `internal` answer. */
-void dispatch_line(struct dispatch *d, const char *line, size_t len, struct buf *out);
+ * answer. Never fails: an allocation failure becomes an `internal` answer. With DynamoDB
+ * configured, a request naming a conversation that neither memory nor the local store
+ * holds returns DISPATCH_WAIT (remote = DISPATCH_REMOTE_CHECK) while it is looked up;
+ * waiter identifies the caller to on_ready. */
+enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
+				   struct buf *out, void *waiter, enum dispatch_remote remote);
+
+/* The waiter went away (its connection closed): it is not called back. */
+void dispatch_cancel_wait(struct dispatch *d, void *waiter);
 
 /* Answers a line that went over --max-line-bytes. */
 void dispatch_too_large_line(struct dispatch *d, struct buf *out);
 
-/* Makes the turn's mutations durable before their answers are written (the group-commit
- * step; the memory-only daemon has nothing to write yet). 0 or -errno. */
-int dispatch_commit(struct dispatch *d);
+/* The group commit: writes what changed this turn to the store and commits (with
+ * durability none only when force is set: the flush timer). On failure every answer of the
+ * turn that depended on it becomes `unavailable` and the touched conversations are reloaded
+ * from the store, so nothing is half written. Then hands new spool rows to the sink. */
+void dispatch_commit(struct dispatch *d, bool force);
+
+/* True when the turn has something for dispatch_commit (the server skips it otherwise). */
+bool dispatch_pending_commit(const struct dispatch *d);
+
+/* The flush timer: takes each conversation's new messages into the spool (the last one too
+ * once the conversation is idle, or when all is set), commits, and purges closed
+ * conversations past their retention now and then. */
+void dispatch_flush_tick(struct dispatch *d, bool all);
+
+/* The sink confirmed the last pending write of a conversation (sink_settled_cb). */
+void dispatch_settled(void *arg, const char *conv, size_t conv_len);
 
 /* Wall-clock Unix milliseconds. */
 int64_t dispatch_now_ms(void);

@@ -28,6 +28,8 @@ struct conn {
 	bool paused;           /* over max_output_bytes: neither read nor served */
 	bool eof;              /* the client closed its side: answer what is left, then close */
 	bool closing;          /* uv_close called */
+	char *held;            /* a line waiting for a restore from DynamoDB (owned) */
+	size_t held_len;
 };
 
 struct write_req {
@@ -81,6 +83,11 @@ static void conn_close(struct conn *c)
 		return;
 	c->closing = true;
 	buf_free(&c->out);
+	if (c->held) {
+		dispatch_cancel_wait(c->srv->dispatch, c);
+		free(c->held);
+		c->held = NULL;
+	}
 	/* Pending writes complete with UV_ECANCELED before on_closed runs. */
 	uv_close((uv_handle_t *)&c->pipe, on_closed);
 }
@@ -90,7 +97,7 @@ static void conn_close_if_done(struct conn *c)
 {
 	if (c->closing || !(c->eof || c->srv->stopping))
 		return;
-	if (conn_backlog(c) == 0 && !(c->paused && framer_pending(&c->fr) > 0))
+	if (conn_backlog(c) == 0 && !c->held && !(c->paused && framer_pending(&c->fr) > 0))
 		conn_close(c);
 }
 
@@ -122,7 +129,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b);
 
 static void conn_read_start(struct conn *c)
 {
-	if (c->reading || c->paused || c->eof || c->closing || c->srv->stopping)
+	if (c->reading || c->paused || c->held || c->eof || c->closing || c->srv->stopping)
 		return;
 	if (uv_read_start((uv_stream_t *)&c->pipe, on_alloc, on_read) == 0)
 		c->reading = true;
@@ -136,7 +143,7 @@ static void conn_serve(struct conn *c)
 	struct dispatch *d = c->srv->dispatch;
 	size_t limit = c->srv->cfg->max_output_bytes;
 
-	while (!c->closing) {
+	while (!c->closing && !c->held) {
 		const char *line;
 		size_t len;
 		enum framer_event ev;
@@ -149,12 +156,50 @@ static void conn_serve(struct conn *c)
 		ev = framer_next(&c->fr, &line, &len);
 		if (ev == FRAMER_NONE)
 			break;
-		if (ev == FRAMER_TOO_LARGE)
+		if (ev == FRAMER_TOO_LARGE) {
 			dispatch_too_large_line(d, &c->out);
-		else
-			dispatch_line(d, line, len, &c->out);
+		} else if (dispatch_line(d, line, len, &c->out, c, DISPATCH_REMOTE_CHECK) ==
+			   DISPATCH_WAIT) {
+			/* Keep the line; the answers after it wait for it (in order). */
+			c->held = malloc(len ? len : 1);
+			if (!c->held) {
+				dispatch_cancel_wait(d, c);
+				conn_close(c);
+				return;
+			}
+			memcpy(c->held, line, len);
+			c->held_len = len;
+			conn_read_stop(c);
+		}
 	}
 	conn_mark_dirty(c);
+}
+
+/* A restore the held line waited for is over: answer it, then go on. */
+static void on_restore_ready(void *waiter, enum dispatch_remote outcome)
+{
+	struct conn *c = waiter;
+	char *line = c->held;
+
+	c->held = NULL;
+	if (c->closing) {
+		free(line);
+		return;
+	}
+	dispatch_line(c->srv->dispatch, line, c->held_len, &c->out, c, outcome);
+	free(line);
+	conn_serve(c);
+	if (!c->held) {
+		if (c->eof || c->srv->stopping) {
+			if (!c->paused) {
+				framer_free(&c->fr);
+				framer_init(&c->fr, c->srv->cfg->max_line_bytes);
+			}
+			conn_close_if_done(c);
+		} else {
+			conn_read_start(c);
+		}
+	}
 }
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
@@ -174,7 +219,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
 		/* Answer every complete line; an unfinished one is discarded. */
 		c->eof = true;
 		conn_serve(c);
-		if (!c->paused) {
+		if (!c->paused && !c->held) {
 			framer_free(&c->fr);
 			framer_init(&c->fr, c->srv->cfg->max_line_bytes);
 		}
@@ -204,7 +249,8 @@ static void on_written(uv_write_t *req, int status)
 	if (c->paused && conn_backlog(c) <= c->srv->cfg->max_output_bytes / 2) {
 		c->paused = false;
 		conn_serve(c);
-		if (!c->paused && (c->eof || c->srv->stopping) && framer_pending(&c->fr) > 0) {
+		if (!c->paused && !c->held && (c->eof || c->srv->stopping) &&
+		    framer_pending(&c->fr) > 0) {
 			/* Only an unfinished line is left: discard it. */
 			framer_free(&c->fr);
 			framer_init(&c->fr, c->srv->cfg->max_line_bytes);
@@ -243,10 +289,10 @@ static void server_turn(struct server *s)
 {
 	struct conn *c, *next;
 
+	if (dispatch_pending_commit(s->dispatch))
+		dispatch_commit(s->dispatch, false);
 	if (!s->dirty)
 		return;
-	if (s->dispatch->changed && dispatch_commit(s->dispatch) < 0)
-		log_msg(LOG_ERROR, "server", "commit failed");
 	for (c = s->dirty, s->dirty = NULL; c; c = next) {
 		next = c->next_dirty;
 		c->dirty = false;
@@ -366,6 +412,7 @@ int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
 	s->loop = loop;
 	s->cfg = cfg;
 	s->dispatch = dispatch;
+	dispatch->on_ready = on_restore_ready;
 	rc = prepare_socket_path(cfg->socket_path);
 	if (rc < 0) {
 		log_msg(LOG_ERROR, "server", "cannot use %s: %s", cfg->socket_path, strerror(-rc));
@@ -430,6 +477,34 @@ static void on_deadline(uv_timer_t *t)
 		conn_close(c);
 }
 
+/* At stop: what the client sent before the signal is in the socket's receive queue. Read it
+ * now (without blocking) and answer every complete line, so no request already sent is
+ * dropped and the close does not reset the connection over unread data. */
+static void conn_drain_socket(struct conn *c)
+{
+	uv_os_fd_t fd;
+
+	if (c->closing || c->eof || uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0)
+		return;
+	while (!c->paused && !c->held && !c->closing) {
+		char *p;
+		size_t n;
+		ssize_t got;
+
+		if (framer_reserve(&c->fr, READ_CHUNK, &p, &n) < 0)
+			break;
+		got = recv(fd, p, n, MSG_DONTWAIT);
+		if (got > 0) {
+			framer_commit(&c->fr, (size_t)got);
+			conn_serve(c);
+			continue;
+		}
+		if (got == 0)
+			c->eof = true;
+		break;
+	}
+}
+
 void server_stop(struct server *s, void (*on_stopped)(struct server *s))
 {
 	struct conn *c, *next;
@@ -450,8 +525,9 @@ void server_stop(struct server *s, void (*on_stopped)(struct server *s))
 	for (c = s->conns; c; c = next) {
 		next = c->next;
 		conn_read_stop(c);
+		conn_drain_socket(c);
 		/* An unfinished line will never be finished now. */
-		if (!c->paused) {
+		if (!c->paused && !c->held) {
 			framer_free(&c->fr);
 			framer_init(&c->fr, s->cfg->max_line_bytes);
 		}

@@ -35,6 +35,10 @@ struct convo {
 	size_t text_bytes;      /* sum of message_text_bytes over the log */
 	int64_t updated_ms;     /* last change of anything in the conversation */
 	size_t scan_from[CONSUMER_COUNT]; /* no message before this index is unseen by that consumer */
+	/* The daemon's bookkeeping (dirty lists of the group commit and the flusher, closing);
+	 * zeroed by convo_new, never read or written by the library. */
+	unsigned int daemon_flags;
+	struct convo *daemon_next_store, *daemon_next_sink, *daemon_prev_sink;
 };
 
 /* New empty conversation named id[0..id_len); caller frees with convo_free. NULL on ENOMEM. */

@@ -185,8 +185,10 @@ def test_flush_close_list_stats_ping(client):
     assert isinstance(client.flush()["flushed"], int)
     assert isinstance(client.close_conversation("a")["flushed"], int)
     assert [c["conversation"] for c in client.list()["conversations"]] == ["b"]
+    # Closed: persisted and out of memory; naming it again restores it from the store.
+    assert client.close_conversation("a")["flushed"] == 0
     with pytest.raises(ConvoError) as e:
-        client.close_conversation("a")
+        client.close_conversation("never-created")
     assert e.value.code == "not_found"
     ping = client.ping()
     assert ping["pong"] is True and ping["protocol"] == 1 and isinstance(ping["version"], str)

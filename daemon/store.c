@@ -1,0 +1,1025 @@
+/* The local store of store.h on SQLite: the schema, statements prepared once at open, one
+ * transaction per loop turn, and conversations rebuilt from their rows. */
+#include "store.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <sqlite3.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ddbitem.h"
+#include "log.h"
+
+#define STORE_FILE "convod.db"
+#define STORE_SCHEMA_VERSION 1
+#define STORE_APPLICATION_ID 0x636e7664 /* "cnvd": tells our files from other SQLite files */
+#define STORE_BUSY_TIMEOUT_MS 100
+#define STORE_BUF_KEEP (1024 * 1024) /* larger JSON buffers are freed after use */
+
+/* closed = 0 while open, else the Unix ms of the close.
+ *
+ * Written for the group commit, where a turn adds messages to many conversations: messages
+ * is a rowid table, so that its rows (the large part) are appended to the same few pages,
+ * and only the small entries of its (conversation, sk) index land in one page per
+ * conversation; clustered by (conversation, sk) instead, every message dirtied a page of
+ * whole rows and the commit wrote twice the bytes, at half the speed. For the same reason
+ * the spool's unique key starts with sk, whose ULIDs grow with time, so new spool rows are
+ * appended too. map is the last column so that the others are read without following the
+ * overflow pages of a long map; map_bytes spares the spool statistics from reading maps. */
+static const char schema_sql[] = "CREATE TABLE conversations("
+                                 " id BLOB PRIMARY KEY NOT NULL,"
+                                 " updated INTEGER NOT NULL,"
+                                 " closed INTEGER NOT NULL DEFAULT 0"
+                                 ") WITHOUT ROWID;"
+                                 "CREATE TABLE messages("
+                                 " conversation BLOB NOT NULL,"
+                                 " sk TEXT NOT NULL,"
+                                 " version INTEGER NOT NULL,"
+                                 " updated INTEGER NOT NULL,"
+                                 " client_seen INTEGER NOT NULL,"
+                                 " confirmed INTEGER NOT NULL DEFAULT 0,"
+                                 " map_bytes INTEGER NOT NULL,"
+                                 " map TEXT NOT NULL,"
+                                 " PRIMARY KEY(conversation, sk)"
+                                 ");"
+                                 "CREATE TABLE spool("
+                                 " seq INTEGER PRIMARY KEY,"
+                                 " conversation BLOB NOT NULL,"
+                                 " sk TEXT NOT NULL,"
+                                 " version INTEGER NOT NULL,"
+                                 " enqueued INTEGER NOT NULL,"
+                                 " UNIQUE(sk, conversation)"
+                                 ");"
+                                 "CREATE TABLE dead_letters("
+                                 " seq INTEGER PRIMARY KEY,"
+                                 " conversation BLOB NOT NULL,"
+                                 " sk TEXT NOT NULL,"
+                                 " version INTEGER NOT NULL,"
+                                 " item TEXT,"
+                                 " error TEXT NOT NULL,"
+                                 " at INTEGER NOT NULL"
+                                 ");";
+
+enum stmt_id {
+	ST_BEGIN = 0,
+	ST_COMMIT,
+	ST_ROLLBACK,
+	ST_PUT_MESSAGE,
+	ST_PUT_CONVERSATION,
+	ST_SET_CLOSED,
+	ST_SPOOL_PUT,
+	ST_SPOOL_DELETE,
+	ST_MESSAGE_CONFIRM,
+	ST_DEAD_INSERT,
+	ST_LOAD_ONE,
+	ST_LOAD_OPEN,
+	ST_SPOOL_EACH,
+	ST_MESSAGE_GET,
+	ST_SPOOL_STATS,
+	ST_DEAD_LIST,
+	ST_DEAD_TO_SPOOL,
+	ST_DEAD_CLEAR,
+	ST_PURGE_MESSAGES,
+	ST_PURGE_CONVERSATIONS,
+	ST_COUNT,
+};
+
+/* Both load statements return the same columns: conversation id and updated, then the
+ * message columns (NULL for a conversation without messages), in log order. */
+#define LOAD_COLUMNS                                                                               \
+	"SELECT c.id, c.updated, m.sk, m.version, m.updated, m.client_seen, m.map,"                \
+	" max(m.confirmed, coalesce((SELECT p.version FROM spool p"                                \
+	" WHERE p.sk = m.sk AND p.conversation = m.conversation), 0))"                              \
+	" FROM conversations c LEFT JOIN messages m ON m.conversation = c.id "
+/* The spool has no index by conversation: NOT IN reads it once. */
+#define PURGEABLE "closed != 0 AND closed < ?1 AND id NOT IN (SELECT conversation FROM spool)"
+
+static const char *const stmt_sql[ST_COUNT] = {
+    [ST_BEGIN] = "BEGIN IMMEDIATE",
+    [ST_COMMIT] = "COMMIT",
+    [ST_ROLLBACK] = "ROLLBACK",
+    [ST_PUT_MESSAGE] =
+        "INSERT INTO messages(conversation, sk, version, updated, client_seen, map_bytes,"
+        " map) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT(conversation, sk) DO UPDATE"
+        " SET version = excluded.version, updated = excluded.updated,"
+        " client_seen = excluded.client_seen, map_bytes = excluded.map_bytes,"
+        " map = excluded.map",
+    [ST_PUT_CONVERSATION] = "INSERT INTO conversations(id, updated, closed) VALUES(?1, ?2, 0)"
+                            " ON CONFLICT(id) DO UPDATE SET updated = excluded.updated, closed = 0",
+    [ST_SET_CLOSED] = "UPDATE conversations SET closed = ?2 WHERE id = ?1",
+    [ST_SPOOL_PUT] = "INSERT INTO spool(conversation, sk, version, enqueued)"
+                     " VALUES(?1, ?2, ?3, ?4) ON CONFLICT(sk, conversation) DO UPDATE"
+                     " SET version = max(version, excluded.version)",
+    [ST_SPOOL_DELETE] = "DELETE FROM spool WHERE conversation = ?1 AND sk = ?2 AND version <= ?3",
+    [ST_MESSAGE_CONFIRM] = "UPDATE messages SET confirmed = max(confirmed, ?3)"
+                           " WHERE conversation = ?1 AND sk = ?2",
+    [ST_DEAD_INSERT] = "INSERT INTO dead_letters(conversation, sk, version, item, error, at)"
+                       " VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
+    [ST_LOAD_ONE] = LOAD_COLUMNS "WHERE c.id = ?1 ORDER BY m.sk",
+    [ST_LOAD_OPEN] = LOAD_COLUMNS "WHERE c.closed = 0 ORDER BY c.id, m.sk",
+    [ST_SPOOL_EACH] = "SELECT conversation, sk, version, enqueued FROM spool ORDER BY seq",
+    [ST_MESSAGE_GET] =
+        "SELECT map, version, updated FROM messages WHERE conversation = ?1 AND sk = ?2",
+    [ST_SPOOL_STATS] = "SELECT count(*), coalesce(sum(m.map_bytes), 0),"
+                       " coalesce(min(s.enqueued), 0) FROM spool s LEFT JOIN messages m"
+                       " ON m.conversation = s.conversation AND m.sk = s.sk",
+    [ST_DEAD_LIST] = "SELECT conversation, sk, version, error, at FROM"
+                     " (SELECT * FROM dead_letters ORDER BY seq DESC LIMIT ?1) ORDER BY seq",
+    /* WHERE true: SQLite's parser needs it before an upsert's ON CONFLICT. */
+    [ST_DEAD_TO_SPOOL] =
+        "INSERT INTO spool(conversation, sk, version, enqueued)"
+        " SELECT conversation, sk, max(version), ?1 FROM dead_letters WHERE true"
+        " GROUP BY conversation, sk ORDER BY min(seq)"
+        " ON CONFLICT(sk, conversation) DO UPDATE SET version = max(version, excluded.version)",
+    [ST_DEAD_CLEAR] = "DELETE FROM dead_letters",
+    [ST_PURGE_MESSAGES] = "DELETE FROM messages WHERE conversation IN"
+                          " (SELECT id FROM conversations WHERE " PURGEABLE ")",
+    [ST_PURGE_CONVERSATIONS] = "DELETE FROM conversations WHERE " PURGEABLE,
+};
+
+struct store {
+	sqlite3 *db;
+	char *path; /* DIR/convod.db, for messages */
+	sqlite3_stmt *st[ST_COUNT];
+	bool in_txn;
+	int txn_err; /* first failed write of the open transaction, 0 if none */
+	char *buf;   /* JSON text of the last store_put_message, reused */
+	size_t len, cap;
+};
+
+static const char *const durability_names[] = {"none", "process", "machine"};
+
+int store_durability_parse(const char *s, enum durability *out)
+{
+	for (int i = DURABILITY_NONE; i <= DURABILITY_MACHINE; i++) {
+		if (s && strcmp(s, durability_names[i]) == 0) {
+			*out = (enum durability)i;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
+const char *store_durability_str(enum durability d)
+{
+	return d <= DURABILITY_MACHINE ? durability_names[d] : "unknown";
+}
+
+static void set_errbuf(char *errbuf, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void set_errbuf(char *errbuf, size_t errlen, const char *fmt, ...)
+{
+	va_list ap;
+	if (!errbuf || !errlen)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(errbuf, errlen, fmt, ap);
+	va_end(ap);
+}
+
+/* -errno for a failed SQLite call: a full disk (or the size cap) is -ENOSPC, anything
+ * else -EIO. */
+static int errno_of(sqlite3 *db, int rc)
+{
+	if ((rc & 0xff) == SQLITE_FULL)
+		return -ENOSPC;
+	if ((rc & 0xff) == SQLITE_IOERR && sqlite3_system_errno(db) == ENOSPC)
+		return -ENOSPC;
+	return -EIO;
+}
+
+/* Logs a failed statement and returns its -errno. */
+static int fail(struct store *s, sqlite3_stmt *st, int rc)
+{
+	log_msg(LOG_ERROR, "store", "%s: %s (in \"%.40s...\")", s->path, sqlite3_errmsg(s->db),
+	        st ? sqlite3_sql(st) : "");
+	return errno_of(s->db, rc);
+}
+
+/* Runs a statement that returns no rows and resets it. 0 or -errno (logged). */
+static int run(struct store *s, sqlite3_stmt *st)
+{
+	int rc = sqlite3_step(st);
+	int err = rc == SQLITE_DONE ? 0 : fail(s, st, rc);
+	sqlite3_reset(st);
+	return err;
+}
+
+/* Start of every write that needs the caller's transaction. */
+static int write_check(struct store *s)
+{
+	if (!s->in_txn)
+		return -EINVAL;
+	return s->txn_err;
+}
+
+/* End of every write: remembers the first failure of the transaction. */
+static int write_done(struct store *s, int rc)
+{
+	if (rc && rc != -EINVAL && s->in_txn && !s->txn_err)
+		s->txn_err = rc;
+	return rc;
+}
+
+static int bind_conv(sqlite3_stmt *st, int i, const char *conv, size_t conv_len)
+{
+	/* A zero-length blob needs a non-NULL pointer, or it binds NULL. */
+	return sqlite3_bind_blob64(st, i, conv_len ? conv : "", conv_len, SQLITE_STATIC);
+}
+
+static int bind_text(sqlite3_stmt *st, int i, const char *text)
+{
+	if (!text)
+		return sqlite3_bind_null(st, i);
+	return sqlite3_bind_text64(st, i, text, strlen(text), SQLITE_STATIC, SQLITE_UTF8);
+}
+
+/* Binds conversation (?1) and sk (?2), the key of most statements. */
+static int bind_key(struct store *s, enum stmt_id id, const char *conv, size_t conv_len,
+                    const char *sk)
+{
+	sqlite3_stmt *st = s->st[id];
+	int rc;
+	if (!conv || !sk)
+		return -EINVAL;
+	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK ||
+	    (rc = bind_text(st, 2, sk)) != SQLITE_OK)
+		return fail(s, st, rc);
+	return 0;
+}
+
+/* Reads one integer (or the first row's first column as text into text) of a statement. */
+static int query_one(sqlite3 *db, const char *sql, int64_t *num, char *text, size_t text_len)
+{
+	sqlite3_stmt *st = NULL;
+	int rc = sqlite3_prepare_v2(db, sql, -1, &st, NULL);
+	if (rc != SQLITE_OK)
+		return rc;
+	rc = sqlite3_step(st);
+	if (rc == SQLITE_ROW) {
+		if (num)
+			*num = sqlite3_column_int64(st, 0);
+		if (text) {
+			const unsigned char *t = sqlite3_column_text(st, 0);
+			snprintf(text, text_len, "%s", t ? (const char *)t : "");
+		}
+		rc = SQLITE_OK;
+	} else if (rc == SQLITE_DONE) {
+		rc = SQLITE_EMPTY;
+	}
+	sqlite3_finalize(st);
+	return rc;
+}
+
+/* The first row of PRAGMA quick_check: "ok" for a sound file, else the first problem. Rows
+ * spanning several lines are joined. */
+static int quick_check(sqlite3 *db, char *out, size_t out_len)
+{
+	int rc;
+	out[0] = 0;
+	rc = query_one(db, "PRAGMA quick_check(1)", NULL, out, out_len);
+	for (char *p = out; *p; p++) {
+		if (*p == '\n')
+			*p = ' ';
+	}
+	return rc;
+}
+
+/* The checks and settings of store_open on an opened connection. */
+static int open_checks(struct store *s, enum durability durability, char *errbuf, size_t errlen)
+{
+	sqlite3 *db = s->db;
+	int64_t app_id = 0, version = 0, tables = 0;
+	char text[256];
+	int rc;
+
+	if (sqlite3_db_readonly(db, "main") == 1) {
+		set_errbuf(errbuf, errlen, "%s is read-only", s->path);
+		return -EACCES;
+	}
+	/* The first read of the file: a file that is not SQLite fails here. */
+	if ((rc = query_one(db, "PRAGMA application_id", &app_id, NULL, 0)) != SQLITE_OK ||
+	    (rc = query_one(db, "PRAGMA user_version", &version, NULL, 0)) != SQLITE_OK)
+		goto not_ours;
+	if ((rc = quick_check(db, text, sizeof(text))) != SQLITE_OK)
+		goto not_ours;
+	if (strcmp(text, "ok") != 0) {
+		set_errbuf(errbuf, errlen, "%s is not a convod database: it is corrupt (%s)",
+		           s->path, text);
+		return -EIO;
+	}
+	if (app_id != 0 && app_id != STORE_APPLICATION_ID) {
+		set_errbuf(errbuf, errlen,
+		           "%s is not a convod database: it belongs to another application "
+		           "(application_id %" PRId64 ")",
+		           s->path, app_id);
+		return -EIO;
+	}
+	if (version > STORE_SCHEMA_VERSION) {
+		set_errbuf(errbuf, errlen,
+		           "%s was written by a newer convod (schema %" PRId64
+		           ", this one knows up to %d)",
+		           s->path, version, STORE_SCHEMA_VERSION);
+		return -EIO;
+	}
+	if ((rc = query_one(db, "PRAGMA journal_mode=WAL", NULL, text, sizeof(text))) != SQLITE_OK)
+		goto not_ours;
+	if (strcmp(text, "wal") != 0) {
+		set_errbuf(errbuf, errlen, "%s: cannot use a WAL journal (journal mode is %s)",
+		           s->path, text);
+		return -EIO;
+	}
+	rc = sqlite3_exec(db,
+	                  durability == DURABILITY_MACHINE ? "PRAGMA synchronous=FULL"
+	                                                   : "PRAGMA synchronous=NORMAL",
+	                  NULL, NULL, NULL);
+	if (rc != SQLITE_OK)
+		goto not_ours;
+	if (version == 0) {
+		if ((rc = query_one(db, "SELECT count(*) FROM sqlite_schema", &tables, NULL, 0)) !=
+		    SQLITE_OK)
+			goto not_ours;
+		if (tables) {
+			set_errbuf(errbuf, errlen,
+			           "%s is not a convod database: it holds other tables", s->path);
+			return -EIO;
+		}
+		rc = sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL);
+		if (rc == SQLITE_OK)
+			rc = sqlite3_exec(db, schema_sql, NULL, NULL, NULL);
+		if (rc == SQLITE_OK) {
+			char sql[128];
+			snprintf(sql, sizeof(sql),
+			         "PRAGMA application_id=%d; PRAGMA user_version=%d; COMMIT",
+			         STORE_APPLICATION_ID, STORE_SCHEMA_VERSION);
+			rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
+		}
+		if (rc != SQLITE_OK) {
+			int err = errno_of(db, rc);
+			set_errbuf(errbuf, errlen, "%s: cannot create the tables: %s", s->path,
+			           sqlite3_errmsg(db));
+			if (!sqlite3_get_autocommit(db))
+				sqlite3_exec(db, "ROLLBACK", NULL, NULL, NULL);
+			return err;
+		}
+	}
+	for (int i = 0; i < ST_COUNT; i++) {
+		rc = sqlite3_prepare_v3(db, stmt_sql[i], -1, SQLITE_PREPARE_PERSISTENT, &s->st[i],
+		                        NULL);
+		if (rc != SQLITE_OK)
+			goto not_ours;
+	}
+	return 0;
+
+not_ours:
+	if ((rc & 0xff) == SQLITE_NOTADB || (rc & 0xff) == SQLITE_CORRUPT ||
+	    (rc & 0xff) == SQLITE_ERROR) {
+		set_errbuf(errbuf, errlen, "%s is not a convod database: %s", s->path,
+		           sqlite3_errmsg(db));
+		return -EIO;
+	}
+	set_errbuf(errbuf, errlen, "%s: %s", s->path, sqlite3_errmsg(db));
+	return errno_of(db, rc);
+}
+
+int store_open(const char *dir, enum durability durability, struct store **out, char *errbuf,
+               size_t errlen)
+{
+	struct store *s = NULL;
+	struct stat sb;
+	size_t n;
+	int rc;
+
+	*out = NULL;
+	set_errbuf(errbuf, errlen, "%s", "");
+	if (!dir || !*dir || durability > DURABILITY_MACHINE) {
+		set_errbuf(errbuf, errlen, "store: no state directory given");
+		return -EINVAL;
+	}
+	if (stat(dir, &sb) < 0) {
+		rc = -errno;
+		set_errbuf(errbuf, errlen, "state directory %s: %s", dir, strerror(-rc));
+		return rc;
+	}
+	if (!S_ISDIR(sb.st_mode)) {
+		set_errbuf(errbuf, errlen, "state directory %s is not a directory", dir);
+		return -ENOTDIR;
+	}
+	/* SQLite would open the file read-only, or fail later creating the WAL beside it. */
+	if (access(dir, W_OK | X_OK) < 0) {
+		rc = -errno;
+		set_errbuf(errbuf, errlen, "state directory %s is not writable: %s", dir,
+		           strerror(-rc));
+		return rc;
+	}
+	s = calloc(1, sizeof(*s));
+	n = strlen(dir) + sizeof("/" STORE_FILE);
+	if (!s || !(s->path = malloc(n))) {
+		set_errbuf(errbuf, errlen, "store: out of memory");
+		rc = -ENOMEM;
+		goto fail;
+	}
+	snprintf(s->path, n, "%s/%s", dir, STORE_FILE);
+
+	rc = sqlite3_open_v2(s->path, &s->db,
+	                     SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX |
+	                         SQLITE_OPEN_EXRESCODE,
+	                     NULL);
+	if (rc != SQLITE_OK) {
+		int e = s->db ? sqlite3_system_errno(s->db) : 0;
+		set_errbuf(errbuf, errlen, "cannot open %s: %s%s%s", s->path,
+		           s->db ? sqlite3_errmsg(s->db) : sqlite3_errstr(rc), e ? ": " : "",
+		           e ? strerror(e) : "");
+		rc = e ? -e : errno_of(s->db, rc);
+		goto fail;
+	}
+	sqlite3_busy_timeout(s->db, STORE_BUSY_TIMEOUT_MS);
+	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
+		goto fail;
+	*out = s;
+	return 0;
+fail:
+	store_close(s);
+	return rc;
+}
+
+void store_close(struct store *s)
+{
+	if (!s)
+		return;
+	store_rollback(s);
+	for (int i = 0; i < ST_COUNT; i++)
+		sqlite3_finalize(s->st[i]);
+	if (s->db && sqlite3_close(s->db) != SQLITE_OK)
+		log_msg(LOG_ERROR, "store", "%s: close: %s", s->path, sqlite3_errmsg(s->db));
+	free(s->buf);
+	free(s->path);
+	free(s);
+}
+
+int store_set_size_limit(struct store *s, uint64_t max_bytes)
+{
+	int64_t page_size = 0, pages;
+	char sql[64];
+	int rc = query_one(s->db, "PRAGMA page_size", &page_size, NULL, 0);
+	if (rc != SQLITE_OK || page_size <= 0)
+		return fail(s, NULL, rc);
+	/* SQLite clamps a count above its compile-time maximum to that maximum. */
+	pages = max_bytes ? (int64_t)(max_bytes / (uint64_t)page_size) : INT64_C(4294967294);
+	snprintf(sql, sizeof(sql), "PRAGMA max_page_count=%" PRId64, pages ? pages : 1);
+	rc = query_one(s->db, sql, NULL, NULL, 0);
+	return rc == SQLITE_OK ? 0 : fail(s, NULL, rc);
+}
+
+int store_begin(struct store *s)
+{
+	int rc;
+	if (s->in_txn)
+		return -EINVAL;
+	if ((rc = run(s, s->st[ST_BEGIN])) < 0)
+		return rc;
+	s->in_txn = true;
+	s->txn_err = 0;
+	return 0;
+}
+
+void store_rollback(struct store *s)
+{
+	if (!s->in_txn)
+		return;
+	/* SQLite rolls some failures (a full disk, I/O errors) back by itself. */
+	if (!sqlite3_get_autocommit(s->db))
+		run(s, s->st[ST_ROLLBACK]);
+	s->in_txn = false;
+	s->txn_err = 0;
+}
+
+int store_commit(struct store *s)
+{
+	int rc;
+	if (!s->in_txn)
+		return -EINVAL;
+	if (s->txn_err) {
+		rc = s->txn_err;
+		store_rollback(s);
+		return rc;
+	}
+	rc = run(s, s->st[ST_COMMIT]);
+	if (rc < 0) {
+		store_rollback(s);
+		return rc;
+	}
+	s->in_txn = false;
+	return 0;
+}
+
+static int buf_append(const char *data, size_t size, void *arg)
+{
+	struct store *s = arg;
+	if (s->len + size > s->cap) {
+		size_t cap = s->cap ? s->cap : 4096;
+		char *p;
+		while (cap < s->len + size)
+			cap *= 2;
+		if (!(p = realloc(s->buf, cap)))
+			return -1;
+		s->buf = p;
+		s->cap = cap;
+	}
+	memcpy(s->buf + s->len, data, size);
+	s->len += size;
+	return 0;
+}
+
+int store_put_message(struct store *s, const char *conv, size_t conv_len, const struct message *m)
+{
+	sqlite3_stmt *st = s->st[ST_PUT_MESSAGE];
+	char sk[DDBITEM_SK_MAX + 1];
+	json_t *map = NULL;
+	int rc = write_check(s);
+
+	if (rc)
+		return rc;
+	if (!m || !m->version)
+		return -EINVAL;
+	if (!(map = message_to_map(m))) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	if (ddbitem_sort_key(map, sk, NULL) != ERR_OK) {
+		rc = -EINVAL;
+		goto out;
+	}
+	s->len = 0;
+	if (json_dump_callback(map, buf_append, s, JSON_COMPACT) < 0) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	if ((rc = bind_key(s, ST_PUT_MESSAGE, conv, conv_len, sk)) < 0)
+		goto out;
+	if (sqlite3_bind_int64(st, 3, m->version) != SQLITE_OK ||
+	    sqlite3_bind_int64(st, 4, m->updated_ms) != SQLITE_OK ||
+	    sqlite3_bind_int64(st, 5, m->seen[CONSUMER_CLIENT]) != SQLITE_OK ||
+	    sqlite3_bind_int64(st, 6, (sqlite3_int64)s->len) != SQLITE_OK ||
+	    (rc = sqlite3_bind_text64(st, 7, s->buf, s->len, SQLITE_STATIC, SQLITE_UTF8)) !=
+	        SQLITE_OK) {
+		rc = fail(s, st, rc ? rc : SQLITE_ERROR);
+		goto out;
+	}
+	rc = run(s, st);
+out:
+	json_decref(map);
+	if (s->cap > STORE_BUF_KEEP) {
+		free(s->buf);
+		s->buf = NULL;
+		s->cap = 0;
+	}
+	s->len = 0;
+	return write_done(s, rc);
+}
+
+int store_put_conversation(struct store *s, const struct convo *c)
+{
+	sqlite3_stmt *st = s->st[ST_PUT_CONVERSATION];
+	int rc = write_check(s);
+	if (rc)
+		return rc;
+	if (!c || !c->id)
+		return -EINVAL;
+	if ((rc = bind_conv(st, 1, c->id, c->id_len)) != SQLITE_OK ||
+	    (rc = sqlite3_bind_int64(st, 2, c->updated_ms)) != SQLITE_OK)
+		return write_done(s, fail(s, st, rc));
+	return write_done(s, run(s, st));
+}
+
+int store_set_closed(struct store *s, const char *conv, size_t conv_len, int64_t closed_ms)
+{
+	sqlite3_stmt *st = s->st[ST_SET_CLOSED];
+	int rc = write_check(s);
+	if (rc)
+		return rc;
+	if (!conv)
+		return -EINVAL;
+	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK ||
+	    (rc = sqlite3_bind_int64(st, 2, closed_ms < 1 ? 1 : closed_ms)) != SQLITE_OK)
+		return write_done(s, fail(s, st, rc));
+	return write_done(s, run(s, st));
+}
+
+int store_spool_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                    uint32_t version, int64_t now_ms)
+{
+	sqlite3_stmt *st = s->st[ST_SPOOL_PUT];
+	int rc = write_check(s);
+	if (rc)
+		return rc;
+	if ((rc = bind_key(s, ST_SPOOL_PUT, conv, conv_len, sk)) < 0)
+		return write_done(s, rc);
+	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK ||
+	    (rc = sqlite3_bind_int64(st, 4, now_ms)) != SQLITE_OK)
+		return write_done(s, fail(s, st, rc));
+	return write_done(s, run(s, st));
+}
+
+/* Deletes the spool row of (conv, sk) if its version is at most version. */
+static int spool_delete(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                        uint32_t version)
+{
+	sqlite3_stmt *st = s->st[ST_SPOOL_DELETE];
+	int rc;
+	if ((rc = bind_key(s, ST_SPOOL_DELETE, conv, conv_len, sk)) < 0)
+		return rc;
+	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK)
+		return fail(s, st, rc);
+	return run(s, st);
+}
+
+int store_spool_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                     uint32_t version)
+{
+	sqlite3_stmt *st = s->st[ST_MESSAGE_CONFIRM];
+	int rc = write_check(s);
+	if (rc)
+		return rc;
+	if ((rc = spool_delete(s, conv, conv_len, sk, version)) < 0)
+		return write_done(s, rc);
+	if ((rc = bind_key(s, ST_MESSAGE_CONFIRM, conv, conv_len, sk)) < 0)
+		return write_done(s, rc);
+	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK)
+		return write_done(s, fail(s, st, rc));
+	return write_done(s, run(s, st));
+}
+
+int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                      uint32_t version, const char *item_json, const char *error, int64_t now_ms)
+{
+	sqlite3_stmt *st = s->st[ST_DEAD_INSERT];
+	int rc = write_check(s);
+	if (rc)
+		return rc;
+	if ((rc = bind_key(s, ST_DEAD_INSERT, conv, conv_len, sk)) < 0)
+		return write_done(s, rc);
+	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK ||
+	    (rc = bind_text(st, 4, item_json)) != SQLITE_OK ||
+	    (rc = bind_text(st, 5, error ? error : "")) != SQLITE_OK ||
+	    (rc = sqlite3_bind_int64(st, 6, now_ms)) != SQLITE_OK)
+		return write_done(s, fail(s, st, rc));
+	if ((rc = run(s, st)) < 0)
+		return write_done(s, rc);
+	return write_done(s, spool_delete(s, conv, conv_len, sk, version));
+}
+
+/* Logs a row that cannot be read back and returns -EIO. */
+static int bad_row(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                   const char *what)
+{
+	log_msg(LOG_ERROR, "store", "%s: conversation \"%.*s\"%s%s: %s", s->path,
+	        (int)(conv_len > 200 ? 200 : conv_len), conv, sk ? " message " : "", sk ? sk : "",
+	        what);
+	return -EIO;
+}
+
+/* The message of the current row of a load statement (columns 2..6). */
+static int row_message(struct store *s, sqlite3_stmt *st, const struct convo *c,
+                       struct message **out)
+{
+	const char *sk = (const char *)sqlite3_column_text(st, 2);
+	int64_t version = sqlite3_column_int64(st, 3);
+	int64_t client_seen = sqlite3_column_int64(st, 5);
+	const char *text = (const char *)sqlite3_column_text(st, 6);
+	size_t text_len = (size_t)sqlite3_column_bytes(st, 6);
+	char key[DDBITEM_SK_MAX + 1];
+	struct message *m = NULL;
+	struct error e;
+	json_error_t je;
+	json_t *map = NULL;
+	int rc = 0;
+
+	*out = NULL;
+	if (!sk || !text) {
+		rc = sqlite3_errcode(s->db) == SQLITE_NOMEM
+		         ? -ENOMEM
+		         : bad_row(s, c->id, c->id_len, sk, "missing sort key or map");
+		goto out;
+	}
+	if (version < 1 || version > UINT32_MAX || client_seen < 0 || client_seen > version) {
+		rc = bad_row(s, c->id, c->id_len, sk, "version out of range");
+		goto out;
+	}
+	if (!(map = json_loadb(text, text_len, JSON_ALLOW_NUL, &je))) {
+		rc = bad_row(s, c->id, c->id_len, sk, je.text);
+		goto out;
+	}
+	if (message_from_map(map, (uint32_t)version, &m, &e) != ERR_OK) {
+		rc = bad_row(s, c->id, c->id_len, sk, e.message);
+		goto out;
+	}
+	if (ddbitem_sort_key(map, key, &e) != ERR_OK || strcmp(key, sk) != 0) {
+		rc = bad_row(s, c->id, c->id_len, sk, "sort key does not match the message");
+		goto out;
+	}
+	m->updated_ms = sqlite3_column_int64(st, 4);
+	m->seen[CONSUMER_STORE] = (uint32_t)version;
+	/* Taken by the sink only when confirmed or spooled at this version: a version whose
+	 * spool row was never committed is taken again. */
+	{
+		int64_t covered = sqlite3_column_int64(st, 7);
+		m->seen[CONSUMER_SINK] = covered >= version ? (uint32_t)version : (uint32_t)covered;
+	}
+	m->seen[CONSUMER_CLIENT] = (uint32_t)client_seen;
+	*out = m;
+	m = NULL;
+out:
+	message_free(m);
+	json_decref(map);
+	return rc;
+}
+
+/* Reads one conversation from a load statement standing on its first row (*step is
+ * SQLITE_ROW) and leaves the statement on the next conversation's first row, or done; *step
+ * is the last sqlite3_step result. Caller frees *out. */
+static int load_rows(struct store *s, sqlite3_stmt *st, int *step, struct convo **out)
+{
+	const void *id = sqlite3_column_blob(st, 0);
+	size_t id_len = (size_t)sqlite3_column_bytes(st, 0);
+	int64_t updated = sqlite3_column_int64(st, 1);
+	struct convo *c = NULL;
+	struct message *m;
+	struct error e;
+	int rc = 0;
+
+	*out = NULL;
+	if (!(c = convo_new(id_len ? id : "", id_len))) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	for (;;) {
+		if (sqlite3_column_type(st, 2) != SQLITE_NULL) {
+			if ((rc = row_message(s, st, c, &m)) < 0)
+				goto out;
+			if ((rc = convo_restore_append(c, m)) < 0)
+				goto out;
+		}
+		*step = sqlite3_step(st);
+		if (*step != SQLITE_ROW)
+			break;
+		id = sqlite3_column_blob(st, 0);
+		if ((size_t)sqlite3_column_bytes(st, 0) != c->id_len ||
+		    (c->id_len && memcmp(id, c->id, c->id_len) != 0))
+			break;
+	}
+	if (*step != SQLITE_ROW && *step != SQLITE_DONE) {
+		rc = fail(s, st, *step);
+		goto out;
+	}
+	if (convo_restore_finish(c, &e) != ERR_OK) {
+		rc = bad_row(s, c->id, c->id_len, NULL, e.message);
+		goto out;
+	}
+	if (updated > c->updated_ms)
+		c->updated_ms = updated;
+	*out = c;
+	c = NULL;
+out:
+	convo_free(c);
+	return rc;
+}
+
+int store_load_conversation(struct store *s, const char *conv, size_t conv_len, struct convo **out)
+{
+	sqlite3_stmt *st = s->st[ST_LOAD_ONE];
+	int rc, step;
+
+	*out = NULL;
+	if (!conv)
+		return -EINVAL;
+	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK)
+		return fail(s, st, rc);
+	step = sqlite3_step(st);
+	if (step == SQLITE_DONE)
+		rc = -ENOENT;
+	else if (step != SQLITE_ROW)
+		rc = fail(s, st, step);
+	else
+		rc = load_rows(s, st, &step, out);
+	sqlite3_reset(st);
+	return rc;
+}
+
+int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg)
+{
+	sqlite3_stmt *st = s->st[ST_LOAD_OPEN];
+	struct convo *c;
+	int rc = 0, step = sqlite3_step(st);
+
+	while (step == SQLITE_ROW) {
+		if ((rc = load_rows(s, st, &step, &c)) < 0)
+			break;
+		if ((rc = fn(arg, c)) != 0)
+			break;
+	}
+	if (!rc && step != SQLITE_DONE)
+		rc = fail(s, st, step);
+	sqlite3_reset(st);
+	return rc;
+}
+
+int store_spool_each(struct store *s,
+                     int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
+                               uint32_t version, int64_t enqueued_ms),
+                     void *arg)
+{
+	sqlite3_stmt *st = s->st[ST_SPOOL_EACH];
+	int rc = 0, step;
+
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		const char *conv = sqlite3_column_blob(st, 0);
+		size_t conv_len = (size_t)sqlite3_column_bytes(st, 0);
+		const char *sk = (const char *)sqlite3_column_text(st, 1);
+		int64_t version = sqlite3_column_int64(st, 2);
+		if (!sk || version < 0 || version > UINT32_MAX) {
+			rc = bad_row(s, conv ? conv : "", conv_len, sk, "bad spool row");
+			break;
+		}
+		if ((rc = fn(arg, conv ? conv : "", conv_len, sk, (uint32_t)version,
+		             sqlite3_column_int64(st, 3))) != 0)
+			break;
+	}
+	if (!rc && step != SQLITE_DONE)
+		rc = fail(s, st, step);
+	sqlite3_reset(st);
+	return rc;
+}
+
+int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                      json_t **map, uint32_t *version, int64_t *updated_ms)
+{
+	sqlite3_stmt *st = s->st[ST_MESSAGE_GET];
+	json_error_t je;
+	int rc, step;
+
+	*map = NULL;
+	if ((rc = bind_key(s, ST_MESSAGE_GET, conv, conv_len, sk)) < 0)
+		return rc;
+	step = sqlite3_step(st);
+	if (step == SQLITE_DONE) {
+		rc = -ENOENT;
+	} else if (step != SQLITE_ROW) {
+		rc = fail(s, st, step);
+	} else {
+		const char *text = (const char *)sqlite3_column_text(st, 0);
+		int64_t v = sqlite3_column_int64(st, 1);
+		if (!text || v < 1 || v > UINT32_MAX)
+			rc = bad_row(s, conv, conv_len, sk, "bad message row");
+		else if (!(*map = json_loadb(text, (size_t)sqlite3_column_bytes(st, 0),
+		                             JSON_ALLOW_NUL, &je)))
+			rc = bad_row(s, conv, conv_len, sk, je.text);
+		if (!rc) {
+			*version = (uint32_t)v;
+			*updated_ms = sqlite3_column_int64(st, 2);
+		}
+	}
+	sqlite3_reset(st);
+	return rc;
+}
+
+int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
+{
+	sqlite3_stmt *st = s->st[ST_SPOOL_STATS];
+	int rc = 0, step = sqlite3_step(st);
+	if (step == SQLITE_ROW) {
+		*items = (uint64_t)sqlite3_column_int64(st, 0);
+		*bytes = (uint64_t)sqlite3_column_int64(st, 1);
+		*oldest_ms = sqlite3_column_int64(st, 2);
+	} else {
+		rc = fail(s, st, step);
+	}
+	sqlite3_reset(st);
+	return rc;
+}
+
+/* One dead letter of ST_DEAD_LIST as an object. NULL on ENOMEM or a bad row. */
+static json_t *dead_letter_json(sqlite3_stmt *st)
+{
+	const char *conv = sqlite3_column_blob(st, 0);
+	const char *sk = (const char *)sqlite3_column_text(st, 1);
+	const char *error = (const char *)sqlite3_column_text(st, 3);
+	json_t *o = json_object();
+	if (!o || !sk || !error ||
+	    json_object_set_new(
+	        o, "conversation",
+	        json_stringn(conv ? conv : "", (size_t)sqlite3_column_bytes(st, 0))) < 0 ||
+	    json_object_set_new(o, "sk", json_string(sk)) < 0 ||
+	    json_object_set_new(o, "version", json_integer(sqlite3_column_int64(st, 2))) < 0 ||
+	    json_object_set_new(o, "error", json_string(error)) < 0 ||
+	    json_object_set_new(o, "at", json_integer(sqlite3_column_int64(st, 4))) < 0) {
+		json_decref(o);
+		return NULL;
+	}
+	return o;
+}
+
+int store_dead_letters(struct store *s, size_t limit, json_t **out)
+{
+	sqlite3_stmt *st = s->st[ST_DEAD_LIST];
+	json_t *arr = NULL;
+	int rc = 0, step;
+
+	*out = NULL;
+	if (!(arr = json_array()))
+		return -ENOMEM;
+	if ((rc = sqlite3_bind_int64(st, 1, limit > INT64_MAX ? INT64_MAX : (int64_t)limit)) !=
+	    SQLITE_OK) {
+		rc = fail(s, st, rc);
+		goto out;
+	}
+	rc = 0;
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		json_t *o = dead_letter_json(st);
+		if (!o || json_array_append_new(arr, o) < 0) {
+			rc = -ENOMEM;
+			goto out;
+		}
+	}
+	if (step != SQLITE_DONE) {
+		rc = fail(s, st, step);
+		goto out;
+	}
+	*out = arr;
+	arr = NULL;
+out:
+	sqlite3_reset(st);
+	json_decref(arr);
+	return rc;
+}
+
+/* Writes that callers may run outside a transaction get one of their own. */
+static int own_begin(struct store *s, bool *own)
+{
+	*own = !s->in_txn;
+	return *own ? store_begin(s) : s->txn_err;
+}
+
+static int own_end(struct store *s, bool own, int rc)
+{
+	if (!own)
+		return write_done(s, rc);
+	if (rc < 0) {
+		store_rollback(s);
+		return rc;
+	}
+	return store_commit(s);
+}
+
+int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n)
+{
+	sqlite3_stmt *st = s->st[ST_DEAD_TO_SPOOL];
+	bool own;
+	int rc;
+
+	*n = 0;
+	if ((rc = own_begin(s, &own)) < 0)
+		return rc;
+	if ((rc = sqlite3_bind_int64(st, 1, now_ms)) != SQLITE_OK)
+		rc = fail(s, st, rc);
+	else if ((rc = run(s, st)) == 0 && (rc = run(s, s->st[ST_DEAD_CLEAR])) == 0)
+		*n = (size_t)sqlite3_changes64(s->db);
+	rc = own_end(s, own, rc);
+	if (rc < 0)
+		*n = 0;
+	return rc;
+}
+
+int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)
+{
+	bool own;
+	int rc;
+
+	*removed = 0;
+	if ((rc = own_begin(s, &own)) < 0)
+		return rc;
+	for (int i = ST_PURGE_MESSAGES; !rc && i <= ST_PURGE_CONVERSATIONS; i++) {
+		if ((rc = sqlite3_bind_int64(s->st[i], 1, before_ms)) != SQLITE_OK)
+			rc = fail(s, s->st[i], rc);
+		else
+			rc = run(s, s->st[i]);
+	}
+	if (!rc)
+		*removed = (size_t)sqlite3_changes64(s->db);
+	rc = own_end(s, own, rc);
+	if (rc < 0)
+		*removed = 0;
+	return rc;
+}
+
+bool store_in_transaction(const struct store *s)
+{
+	return s && s->in_txn;
+}

@@ -1,0 +1,116 @@
+/* The local store: one SQLite database (WAL) in the state directory holding every
+ * conversation's messages (their current version, as message maps), which conversations
+ * are closed, the spool of writes the DynamoDB sink has not confirmed yet, and the dead
+ * letters. The daemon writes one transaction per loop turn (group commit). */
+#ifndef CONVOD_STORE_H
+#define CONVOD_STORE_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "convo.h"
+#include "message.h"
+
+enum durability { DURABILITY_NONE = 0, DURABILITY_PROCESS, DURABILITY_MACHINE };
+
+/* Parses "none", "process", "machine". 0 or -EINVAL. */
+int store_durability_parse(const char *s, enum durability *out);
+const char *store_durability_str(enum durability d);
+
+struct store;
+
+/* Opens or creates DIR/convod.db: WAL journal, synchronous=NORMAL (none, process) or FULL
+ * (machine), schema created or checked, PRAGMA quick_check passed. On failure returns
+ * -errno (-EIO for a corrupt or foreign file) and writes one sentence for the operator to
+ * errbuf, naming the file and what is wrong. Caller frees *out with store_close. */
+int store_open(const char *dir, enum durability durability, struct store **out, char *errbuf,
+               size_t errlen);
+void store_close(struct store *s); /* accepts NULL; rolls back an open transaction */
+
+/* Caps the database file at about max_bytes (0 = no cap beyond SQLite's own); a write that
+ * would grow it further fails like a full disk, with -ENOSPC. The cap is never below the
+ * current size. 0 or -EIO. */
+int store_set_size_limit(struct store *s, uint64_t max_bytes);
+
+/* One transaction per loop turn. store_begin returns 0, -EINVAL (one is open already),
+ * -ENOSPC or -EIO. store_commit returns 0, or -ENOSPC (disk full) / -EIO (any other
+ * failure) after rolling everything of the transaction back; it also fails, and rolls back,
+ * when a write of the transaction failed and the caller went on (-EINVAL outside one). */
+int store_begin(struct store *s);
+int store_commit(struct store *s);
+void store_rollback(struct store *s); /* no-op outside a transaction */
+/* True between store_begin and the commit or rollback. */
+bool store_in_transaction(const struct store *s);
+
+/* Inside a transaction. Each returns 0 or -ENOSPC / -EIO (the caller then rolls back);
+ * -EINVAL outside a transaction or for an argument that cannot be stored. After one write
+ * failed, the next ones of the same transaction return the same error without writing. */
+
+/* Upserts message m of conversation conv (row key: conversation, sort key of
+ * ddbitem_sort_key semantics: the id, or for a summary the last summarized id + "~" + id):
+ * its message map, version, updated_ms and the version the client's incremental
+ * to_messages_map has seen (m->seen[CONSUMER_CLIENT]). */
+int store_put_message(struct store *s, const char *conv, size_t conv_len, const struct message *m);
+/* Upserts the conversation row: updated = c->updated_ms, closed = 0. */
+int store_put_conversation(struct store *s, const struct convo *c);
+/* Marks the conversation closed at closed_ms (kept for the retention period; a
+ * closed_ms below 1 counts as 1, since 0 means open). No-op for an unknown conversation. */
+int store_set_closed(struct store *s, const char *conv, size_t conv_len, int64_t closed_ms);
+/* Records that version of message sk must reach the sink: a spool row (conversation, sk)
+ * whose version becomes the larger of the stored one and this one. */
+int store_spool_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                    uint32_t version, int64_t now_ms);
+/* The sink confirmed that version: deletes the spool row if its version <= version, and
+ * remembers the confirmed version on the message row. */
+int store_spool_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                     uint32_t version);
+/* A write the sink refused for good: the spool row moves to the dead letters with the item
+ * (JSON text, may be NULL) and the error. As with store_spool_done, a spool row holding a
+ * newer version than the refused one stays, since that version has not been tried. */
+int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                      uint32_t version, const char *item_json, const char *error, int64_t now_ms);
+
+/* Reads; inside or outside a transaction. */
+
+/* Rebuilds a conversation from its rows (log order = sort-key order, positions recomputed
+ * by convo_restore_finish). Each message gets seen[CONSUMER_STORE] = its version,
+ * seen[CONSUMER_CLIENT] = the stored client version, seen[CONSUMER_SINK] = its version
+ * when the sink confirmed it or the spool holds it at that version, else the confirmed
+ * version (so the flusher takes it again). Caller frees *out. 0, -ENOENT (no such
+ * conversation), -EIO (unreadable rows; logged). A closed conversation loads too and is
+ * marked open again by the caller's next store_put_conversation. */
+int store_load_conversation(struct store *s, const char *conv, size_t conv_len, struct convo **out);
+/* Calls fn for every conversation not closed, in id order, loaded as above; fn takes
+ * ownership of c and returns 0 to go on or a negative errno to stop (returned). 0, -EIO
+ * (logged, naming the conversation) or -ENOMEM. fn runs while the store reads: it must not
+ * call store_load_open or store_load_conversation, and should not write. */
+int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg);
+/* Calls fn for every spool row in the order they were first spooled (enqueued_ms is the
+ * first time; a row's version may have grown since). conv and sk are valid during the call
+ * only. fn returns 0 to go on or a negative errno to stop (returned). 0 or -EIO. */
+int store_spool_each(struct store *s,
+                     int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
+                               uint32_t version, int64_t enqueued_ms),
+                     void *arg);
+/* The stored map, version and updated time of one message (for sending messages whose
+ * conversation is not in memory). 0 or -ENOENT / -EIO. Caller owns *map. */
+int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                      json_t **map, uint32_t *version, int64_t *updated_ms);
+/* Spool depth: rows, sum of the stored maps' bytes, oldest enqueue time (0 if none).
+ * Scans the spool: call it for stats, not per request. 0 or -EIO. */
+int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms);
+/* Dead letters as a JSON array [{"conversation","sk","version","error","at"}]: the newest
+ * limit ones, oldest first. Caller owns *out. 0, -EIO or -ENOMEM. */
+int store_dead_letters(struct store *s, size_t limit, json_t **out);
+/* Moves every dead letter back to the spool (for a retry); several of one message become
+ * one spool row with the highest version. *n = dead letters moved. Writes: inside the open
+ * transaction, or in one of its own when none is open. 0, -ENOSPC or -EIO. */
+int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n);
+/* Deletes conversations closed before before_ms that have no spool row, with their
+ * messages (dead letters stay). *removed = conversations deleted. Writes like
+ * store_dead_letters_retry. */
+int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed);
+
+#endif

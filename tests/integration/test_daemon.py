@@ -1,0 +1,209 @@
+"""The convod process itself: command line, the socket file (mode, stale and live files),
+and shutdown on SIGTERM/SIGINT (answers what was sent, exits 0, removes its socket)."""
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from conftest import CONVOD, ROOT, Conn
+
+NUMERIC_FLAGS = ["--max-line-bytes", "--max-output-bytes", "--max-connections", "--max-conversations",
+                 "--max-messages", "--max-conversation-bytes", "--max-conversation-id-bytes"]
+
+
+def project_version():
+    with open(os.path.join(ROOT, "meson.build")) as f:
+        m = re.search(r"version\s*:\s*'([^']+)'", f.read())
+    assert m
+    return m.group(1)
+
+
+def no_sanitizer_report(text):
+    assert "Sanitizer" not in text and "runtime error:" not in text, text
+
+
+def run_cli(args, timeout=15):
+    """Runs convod with args plus a private socket and state dir; it must exit by itself
+    without ever listening (a socket file appearing means it accepted the arguments)."""
+    with tempfile.TemporaryDirectory(prefix="convod-cli-") as tmp:
+        sock = os.path.join(tmp, "s.sock")
+        # The flags under test come last, so that one missing its value really is missing it.
+        cmd = [CONVOD, "--socket", sock, "--state-dir", os.path.join(tmp, "state")] + args
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.time() + timeout
+        started = False
+        while p.poll() is None and time.time() < deadline:
+            if os.path.exists(sock):
+                started = True
+                break
+            time.sleep(0.01)
+        if p.poll() is None:
+            p.kill()
+        out, err = p.communicate()
+        text = out.decode(errors="replace") + err.decode(errors="replace")
+        assert not started, "convod %r accepted the arguments and started listening" % args
+        assert p.returncode >= 0, "convod %r did not exit by itself" % args
+        assert not os.path.exists(sock), "convod %r left a socket file" % args
+        no_sanitizer_report(text)
+        return p.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def test_help():
+    rc, out, err = run_cli(["--help"])
+    assert rc == 0, err
+    for flag in ["--socket", "--state-dir", "--log-level", "--help", "--version"] + NUMERIC_FLAGS:
+        assert flag in out, "--help does not mention %s:\n%s" % (flag, out)
+
+
+def test_version():
+    rc, out, err = run_cli(["--version"])
+    assert rc == 0, err
+    assert project_version() in out
+
+
+@pytest.mark.parametrize("args", [["--no-such-flag"], ["--max-line-bytes-x", "10"], ["stray"]])
+def test_unknown_flag(args):
+    rc, out, err = run_cli(args)
+    assert rc != 0
+    assert err.strip(), "no message for %s" % args
+    assert args[0].lstrip("-") in err, err
+
+
+@pytest.mark.parametrize("flag", NUMERIC_FLAGS)
+@pytest.mark.parametrize("value", ["abc", "-1", " -1", "12x", "", "1.5", "99999999999999999999999999", "0x10"])
+def test_bad_numeric_values(flag, value):
+    rc, out, err = run_cli([flag, value])
+    assert rc != 0, "%s %r accepted" % (flag, value)
+    assert flag.lstrip("-") in err, "message does not name %s: %r" % (flag, err)
+
+
+@pytest.mark.parametrize("flag", NUMERIC_FLAGS + ["--log-level", "--socket", "--state-dir"])
+def test_flag_without_value(flag):
+    rc, out, err = run_cli([flag])
+    assert rc != 0
+    assert flag.lstrip("-") in err, err
+
+
+def test_bad_log_level():
+    rc, out, err = run_cli(["--log-level", "loud"])
+    assert rc != 0
+    assert "log-level" in err or "loud" in err, err
+
+
+@pytest.mark.parametrize("level", ["debug", "info", "warn", "error"])
+def test_log_levels_accepted(daemon_factory, level):
+    d = daemon_factory(["--log-level", level])
+    assert d.connect().ok({"op": "ping"})["pong"] is True
+
+
+@pytest.mark.parametrize("mask", [0o000, 0o077, 0o022])
+def test_socket_mode_0660_whatever_the_umask(daemon_factory, mask):
+    d = daemon_factory(start=False)
+    old = os.umask(mask)
+    try:
+        d.start(wait=False)
+    finally:
+        os.umask(old)
+    d.wait_ready()
+    st = os.stat(d.socket)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660, oct(st.st_mode)
+
+
+def test_stale_socket_replaced(daemon_factory):
+    d = daemon_factory(start=False)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(d.socket)
+    s.close()
+    assert stat.S_ISSOCK(os.stat(d.socket).st_mode)
+    with pytest.raises(ConnectionRefusedError):
+        Conn(d.socket).close()
+    d.start()
+    c = d.connect()
+    assert c.ok({"op": "ping"})["pong"] is True
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o660
+
+
+def test_live_socket_not_replaced(daemon_factory):
+    d1 = daemon_factory()
+    c = d1.connect()
+    c.ok({"op": "add_user", "conversation": "first", "contents": "x"})
+    ino = os.stat(d1.socket).st_ino
+    d2 = daemon_factory(start=False)
+    d2.socket = d1.socket
+    d2.start(wait=False)
+    try:
+        rc = d2.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("a second convod on a live socket did not exit")
+    assert rc != 0
+    assert d2.log().strip(), "the second daemon exited without a message"
+    # The first one is untouched: same socket file, still answering, same data.
+    assert os.stat(d1.socket).st_ino == ino
+    assert c.ok({"op": "ping"})["pong"] is True
+    c2 = d1.connect()
+    assert c2.ok({"op": "list"})["conversations"][0]["conversation"] == "first"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_answers_what_was_sent_then_exits(daemon_factory, sig):
+    d = daemon_factory()
+    idle = d.connect(timeout=30)
+    assert idle.ok({"op": "ping"})["pong"] is True
+    c = d.connect(timeout=30)
+    reqs = []
+    for i in range(500):
+        if i % 3 == 0:
+            reqs.append({"id": i, "op": "ping"})
+        else:
+            reqs.append({"id": i, "op": "add_user" if i % 3 == 1 else "add_assistant", "conversation": "sig",
+                         "contents": "m%d" % i})
+    c.send_raw(b"".join(json.dumps(r).encode() + b"\n" for r in reqs))
+    d.signal(sig)
+    for i, req in enumerate(reqs):
+        try:
+            r = c.recv()
+        except (EOFError, ConnectionResetError) as e:
+            raise AssertionError("after %s, %d of %d requests sent before it were answered, then %r"
+                                 % (sig.name, i, len(reqs), e))
+        assert r["id"] == i and r["ok"] is True, r
+        if req["op"] != "ping":
+            assert r["result"]["message"]["message"]["contents"] == [req["contents"]]
+    with pytest.raises(EOFError):
+        c.recv_line()
+    with pytest.raises(EOFError):
+        idle.recv_line()
+    try:
+        rc = d.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("convod did not exit after %s" % sig)
+    assert rc == 0, d.log()
+    assert not os.path.exists(d.socket)
+    no_sanitizer_report(d.log())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_with_idle_clients_exits_promptly(daemon_factory, sig):
+    d = daemon_factory()
+    conns = [d.connect() for _ in range(5)]
+    for k in conns:
+        k.ok({"op": "ping"})
+    conns[0].send_raw(b'{"op":"add_user","conversation":"x","cont')  # an unfinished request
+    t0 = time.time()
+    d.signal(sig)
+    for k in conns:
+        with pytest.raises(EOFError):
+            k.recv_line()
+    rc = d.proc.wait(15)
+    assert rc == 0, d.log()
+    assert time.time() - t0 < 10
+    assert not os.path.exists(d.socket)
+    with pytest.raises((FileNotFoundError, ConnectionRefusedError)):
+        Conn(d.socket)

@@ -1,0 +1,1128 @@
+/* Unit tests for daemon/store: round trips of conversations (positions, versions, seen
+ * values, summaries, NUL bytes and non-ASCII), upserts, closed conversations, the spool,
+ * dead letters, purge, transactions, reopening, broken files, an unwritable directory, a
+ * full disk, and a micro-benchmark of the group commit. */
+#include "store.h"
+
+#include "ddbitem.h"
+#include "test.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <sqlite3.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define T0 INT64_C(1744815823057)
+
+static char root[64];
+static struct ulid_gen gen;
+
+/* A conversation id with a NUL byte and non-ASCII characters. */
+static const char conv_id[] = "conv\0\xc3\xa9\xe2\x9c\x93 id";
+#define CONV_ID_LEN (sizeof(conv_id) - 1)
+
+static void env_init(struct convo_env *env, int64_t now)
+{
+	uint8_t seed[32];
+	for (int i = 0; i < 32; i++)
+		seed[i] = (uint8_t)(i * 7 + 3);
+	ulid_gen_init(&gen, seed);
+	memset(env, 0, sizeof(*env));
+	env->ulid = &gen;
+	env->now_ms = now;
+}
+
+/* A fresh directory root/name; returns its path in a static buffer per call site. */
+static void make_dir(char *out, size_t len, const char *name)
+{
+	snprintf(out, len, "%s/%s", root, name);
+	if (mkdir(out, 0700) < 0)
+		fprintf(stderr, "mkdir %s: %s\n", out, strerror(errno));
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+	(void)sb;
+	(void)flag;
+	(void)ftw;
+	return remove(path);
+}
+
+static json_t *parse(const char *s)
+{
+	json_error_t e;
+	json_t *j = json_loads(s, JSON_ALLOW_NUL, &e);
+	if (!j)
+		fprintf(stderr, "bad test JSON: %s: %s\n", s, e.text);
+	return j;
+}
+
+/* Adds texts (NUL bytes allowed: lens given) and returns the resulting message. */
+static struct message *add_n(struct convo *c, struct convo_env *env, enum role role,
+                             const char *const *texts, const size_t *lens, size_t n)
+{
+	struct message *m = NULL;
+	struct error e;
+	bool merged;
+	env->now_ms++;
+	if (convo_add(c, env, role, texts, lens, n, NULL, &m, &merged, &e) != ERR_OK) {
+		fprintf(stderr, "convo_add: %s\n", e.message);
+		return NULL;
+	}
+	return m;
+}
+
+static struct message *add1(struct convo *c, struct convo_env *env, enum role role, const char *s)
+{
+	size_t len = strlen(s);
+	return add_n(c, env, role, &s, &len, 1);
+}
+
+static struct message *summarize(struct convo *c, struct convo_env *env, const char *text,
+                                 size_t len, const char *const *ids, size_t nids)
+{
+	struct message *m = NULL;
+	struct error e;
+	env->now_ms++;
+	if (convo_add_summary(c, env, &text, &len, 1, ids, nids, NULL, 0, &m, &e) != ERR_OK) {
+		fprintf(stderr, "convo_add_summary: %s\n", e.message);
+		return NULL;
+	}
+	return m;
+}
+
+static void set_metadata(struct convo *c, struct convo_env *env, size_t i, const char *timing,
+                         const char *aux)
+{
+	struct metadata_patch p;
+	struct error e;
+	json_t *t = timing ? parse(timing) : NULL, *a = aux ? parse(aux) : NULL;
+	env->now_ms++;
+	CHECK(message_patch_parse(t, a, "", &p, &e) == ERR_OK);
+	CHECK(convo_set_metadata(c, env, i, &p, &e) == ERR_OK);
+	json_decref(t);
+	json_decref(a);
+}
+
+/* The client's incremental to_messages_map, which moves seen[CONSUMER_CLIENT]. */
+static void client_take(struct convo *c)
+{
+	json_decref(convo_to_messages_map(c, true, true));
+}
+
+struct put_ctx {
+	struct store *s;
+	const struct convo *c;
+	int rc;
+	size_t n;
+};
+
+static void put_cb(void *arg, const struct message *m, size_t index)
+{
+	struct put_ctx *p = arg;
+	(void)index;
+	if (!p->rc)
+		p->rc = store_put_message(p->s, p->c->id, p->c->id_len, m);
+	p->n++;
+}
+
+/* Stores what the store consumer has not taken yet, as the daemon's group commit does,
+ * without opening a transaction. Returns the number of messages, or -errno. */
+static long put_pending(struct store *s, struct convo *c)
+{
+	struct put_ctx p = {s, c, 0, 0};
+	convo_take(c, CONSUMER_STORE, false, put_cb, &p);
+	if (!p.rc)
+		p.rc = store_put_conversation(s, c);
+	return p.rc ? p.rc : (long)p.n;
+}
+
+/* put_pending in a transaction of its own. */
+static long save(struct store *s, struct convo *c)
+{
+	long n;
+	if (store_begin(s) < 0)
+		return -1;
+	n = put_pending(s, c);
+	if (n < 0) {
+		store_rollback(s);
+		return n;
+	}
+	return store_commit(s) < 0 ? -1 : n;
+}
+
+/* Makes every message pending again for the store consumer (after a failed write). */
+static void forget_store(struct convo *c)
+{
+	for (size_t i = 0; i < c->nlog; i++)
+		c->log[i]->seen[CONSUMER_STORE] = 0;
+	c->scan_from[CONSUMER_STORE] = 0;
+}
+
+static struct store *open_store(const char *dir)
+{
+	struct store *s = NULL;
+	char err[256];
+	int rc = store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err));
+	if (rc < 0)
+		fprintf(stderr, "store_open %s: %d %s\n", dir, rc, err);
+	return s;
+}
+
+static void sort_key_of(const struct message *m, char sk[DDBITEM_SK_MAX + 1])
+{
+	json_t *map = message_to_map(m);
+	sk[0] = 0;
+	CHECK(map && ddbitem_sort_key(map, sk, NULL) == ERR_OK);
+	json_decref(map);
+}
+
+static bool same_json(json_t *a, json_t *b)
+{
+	bool same = (!a && !b) || (a && b && json_equal(a, b));
+	json_decref(a);
+	json_decref(b);
+	return same;
+}
+
+/* Checks that loaded is orig as the store promises: everything equal, seen[STORE] and
+ * seen[SINK] at the version, seen[CLIENT] as it was stored. */
+static void check_same(const struct convo *orig, const struct convo *loaded, int line)
+{
+	int before = test_failures;
+	char *d1, *d2;
+	struct error e;
+
+	CHECK(loaded != NULL);
+	if (!loaded)
+		goto out;
+	CHECK(loaded->id_len == orig->id_len && memcmp(loaded->id, orig->id, orig->id_len) == 0);
+	CHECK(loaded->nlog == orig->nlog);
+	CHECK(loaded->first_llm == orig->first_llm);
+	CHECK(loaded->last_summary == orig->last_summary);
+	CHECK(loaded->text_bytes == orig->text_bytes);
+	CHECK(loaded->updated_ms == orig->updated_ms);
+	CHECK(convo_check(loaded, &e) == ERR_OK);
+	for (size_t i = 0; i < orig->nlog && i < loaded->nlog; i++) {
+		const struct message *a = orig->log[i], *b = loaded->log[i];
+		CHECK_STR(b->id, a->id);
+		CHECK(b->role == a->role && b->fake == a->fake && b->merges == a->merges);
+		CHECK(b->version == a->version && b->updated_ms == a->updated_ms);
+		CHECK(memcmp(b->timing, a->timing, sizeof(a->timing)) == 0);
+		CHECK(b->ncontents == a->ncontents);
+		for (uint32_t k = 0; k < a->ncontents && k < b->ncontents; k++)
+			CHECK(b->contents[k]->len == a->contents[k]->len &&
+			      memcmp(b->contents[k]->bytes, a->contents[k]->bytes,
+			             a->contents[k]->len) == 0);
+		CHECK(b->nsummary_ids == a->nsummary_ids);
+		for (uint32_t k = 0; k < a->nsummary_ids && k < b->nsummary_ids; k++)
+			CHECK_STR(b->summary_ids[k], a->summary_ids[k]);
+		CHECK((!a->aux && !b->aux) || (a->aux && b->aux && json_equal(a->aux, b->aux)));
+		CHECK(b->seen[CONSUMER_CLIENT] == a->seen[CONSUMER_CLIENT]);
+		CHECK(b->seen[CONSUMER_STORE] == b->version);
+		/* Neither spooled nor confirmed here: the flusher must take it again. */
+		CHECK(b->seen[CONSUMER_SINK] <= b->version);
+		CHECK(same_json(message_to_map(a), message_to_map(b)));
+	}
+	d1 = convo_describe(orig);
+	d2 = convo_describe(loaded);
+	CHECK_STR(d2, d1);
+	free(d1);
+	free(d2);
+out:
+	if (test_failures != before)
+		fprintf(stderr, "  (conversation compared at line %d)\n", line);
+}
+#define CHECK_SAME(orig, loaded) check_same((orig), (loaded), __LINE__)
+
+/* The sample: NUL bytes and non-ASCII in contents, a merge, metadata, two summaries, messages
+ * after them, and the client's incremental map taken at several points. */
+static struct convo *sample(struct convo_env *env)
+{
+	static const char nul_text[] = "Hello\0world";
+	static const char nul_summary[] = "Summary\0with a NUL";
+	const char *texts[2] = {"first \xe6\x97\xa5\xe6\x9c\xac", "second\0part"};
+	size_t lens[2] = {strlen(texts[0]), 11};
+	const char *p = nul_text;
+	size_t len = sizeof(nul_text) - 1;
+	char ids[4][ULID_LEN + 1];
+	const char *sum1[2], *sum2[3];
+	struct message *m;
+	struct convo *c = convo_new(conv_id, CONV_ID_LEN);
+
+	CHECK(c != NULL);
+	if (!c)
+		return NULL;
+	CHECK((m = add_n(c, env, ROLE_USER, &p, &len, 1)) != NULL); /* 0 */
+	memcpy(ids[0], m->id, sizeof(ids[0]));
+	CHECK((m = add1(c, env, ROLE_ASSISTANT, "H\xc3\xa9llo \xe2\x9c\x93, how can I help?")));
+	memcpy(ids[1], m->id, sizeof(ids[1]));
+	CHECK(add1(c, env, ROLE_ASSISTANT, "A merged part.") == c->log[1]); /* merge: v2 */
+	CHECK(c->log[1]->version == 2);
+	CHECK((m = add_n(c, env, ROLE_USER, texts, lens, 2)) != NULL); /* 2 */
+	memcpy(ids[2], m->id, sizeof(ids[2]));
+	client_take(c);                                             /* client saw 0 and 1 (v2) */
+	CHECK((m = add1(c, env, ROLE_ASSISTANT, "Sure.")) != NULL); /* 3 */
+	memcpy(ids[3], m->id, sizeof(ids[3]));
+	set_metadata(c, env, 0, "{\"playStart\":1744815823100,\"llmEnd\":1744815823200}",
+	             "{\"k\":\"v\\u0000x\",\"n\":1.5,\"a\":[1,null,true],\"o\":{\"\\u00e9\":-7}}");
+	CHECK(c->log[0]->version == 2 && c->log[0]->seen[CONSUMER_CLIENT] == 1);
+	sum1[0] = ids[0];
+	sum1[1] = ids[1];
+	CHECK((m = summarize(c, env, nul_summary, sizeof(nul_summary) - 1, sum1, 2)) != NULL);
+	CHECK(c->last_summary == 2 && c->log[2] == m); /* after message 1 */
+	sum2[0] = m->id;
+	sum2[1] = ids[2];
+	sum2[2] = ids[3];
+	client_take(c);
+	CHECK(add1(c, env, ROLE_USER, "After the first summary.") != NULL); /* 5 */
+	CHECK((m = summarize(c, env, "Second summary.", 15, sum2, 3)) != NULL);
+	CHECK(c->last_summary == 5 && c->log[5] == m); /* between 4 and the user message */
+	CHECK(add1(c, env, ROLE_ASSISTANT, "Fine.") != NULL);
+	client_take(c);
+	CHECK(add1(c, env, ROLE_ASSISTANT, "Merged after the client took it.") != NULL);
+	CHECK(add1(c, env, ROLE_USER, "Last.") != NULL);
+	CHECK(c->nlog == 9 && c->first_llm == 6);
+	return c;
+}
+
+/* A small conversation of n alternating messages named id. */
+static struct convo *small(struct convo_env *env, const char *id, int n)
+{
+	struct convo *c = convo_new(id, strlen(id));
+	for (int i = 0; c && i < n; i++)
+		CHECK(add1(c, env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, i % 2 ? "answer" : "ask"));
+	return c;
+}
+
+static void test_durability(void)
+{
+	enum durability d;
+	CHECK(store_durability_parse("none", &d) == 0 && d == DURABILITY_NONE);
+	CHECK(store_durability_parse("process", &d) == 0 && d == DURABILITY_PROCESS);
+	CHECK(store_durability_parse("machine", &d) == 0 && d == DURABILITY_MACHINE);
+	CHECK(store_durability_parse("Machine", &d) == -EINVAL);
+	CHECK(store_durability_parse("", &d) == -EINVAL);
+	CHECK_STR(store_durability_str(DURABILITY_MACHINE), "machine");
+	CHECK_STR(store_durability_str(DURABILITY_NONE), "none");
+}
+
+static void test_round_trip(void)
+{
+	char dir[128], sk[DDBITEM_SK_MAX + 1];
+	struct convo_env env;
+	struct convo *c = NULL, *l = NULL;
+	struct store *s;
+	json_t *map = NULL;
+	uint32_t version;
+	int64_t updated;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "round");
+	CHECK((s = open_store(dir)) != NULL);
+	if (!s)
+		return;
+	CHECK((c = sample(&env)) != NULL);
+	CHECK(save(s, c) == 9);
+	CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0);
+	CHECK_SAME(c, l);
+	/* Summaries come back where they were, by sort key. */
+	CHECK(l && l->log[2]->role == ROLE_SUMMARY && l->log[5]->role == ROLE_SUMMARY);
+	convo_free(l);
+	l = NULL;
+
+	/* Every row is under the sort key of ddbitem_sort_key. */
+	for (size_t i = 0; i < c->nlog; i++) {
+		sort_key_of(c->log[i], sk);
+		CHECK(store_message_get(s, conv_id, CONV_ID_LEN, sk, &map, &version, &updated) ==
+		      0);
+		CHECK(version == c->log[i]->version && updated == c->log[i]->updated_ms);
+		CHECK(same_json(map, message_to_map(c->log[i])));
+		map = NULL;
+	}
+	CHECK(store_message_get(s, conv_id, CONV_ID_LEN, "nope", &map, &version, &updated) ==
+	      -ENOENT);
+	CHECK(map == NULL);
+	/* The id with its NUL byte is the key, not its C-string prefix. */
+	CHECK(store_load_conversation(s, conv_id, 4, &l) == -ENOENT && !l);
+	CHECK(store_load_conversation(s, "missing", 7, &l) == -ENOENT && !l);
+
+	/* An upsert of changed messages: a merge and new metadata. */
+	CHECK(add1(c, &env, ROLE_USER, "Merged into the last user message.") == c->log[8]);
+	set_metadata(c, &env, 3, NULL, "{\"stopped\":true}");
+	CHECK(c->log[8]->version == 2 && c->log[3]->version == 2);
+	CHECK(save(s, c) == 2);
+	CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0);
+	CHECK_SAME(c, l);
+	convo_free(l);
+	l = NULL;
+
+	/* Reopening: the data is still there. */
+	store_close(s);
+	CHECK((s = open_store(dir)) != NULL);
+	if (s) {
+		CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0);
+		CHECK_SAME(c, l);
+		convo_free(l);
+	}
+	store_close(s);
+	convo_free(c);
+}
+
+struct collect {
+	char ids[8][32];
+	size_t n, messages;
+	int stop_after;
+};
+
+static int collect_cb(void *arg, struct convo *c)
+{
+	struct collect *k = arg;
+	if (k->n < 8)
+		snprintf(k->ids[k->n], sizeof(k->ids[0]), "%.*s", (int)c->id_len, c->id);
+	k->n++;
+	k->messages += c->nlog;
+	convo_free(c);
+	return k->stop_after && (int)k->n >= k->stop_after ? -ECANCELED : 0;
+}
+
+static void test_closed(void)
+{
+	char dir[128];
+	struct convo_env env;
+	struct convo *a, *b, *e, *l = NULL;
+	struct collect k = {.n = 0};
+	struct store *s;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "closed");
+	if (!(s = open_store(dir)))
+		return;
+	a = small(&env, "alpha", 3);
+	b = small(&env, "beta", 4);
+	e = convo_new("empty", 5); /* a conversation row without messages */
+	CHECK(save(s, b) == 4 && save(s, a) == 3 && save(s, e) == 0);
+	CHECK(store_load_open(s, collect_cb, &k) == 0);
+	CHECK(k.n == 3 && k.messages == 7);
+	CHECK_STR(k.ids[0], "alpha");
+	CHECK_STR(k.ids[1], "beta");
+	CHECK_STR(k.ids[2], "empty");
+
+	CHECK(store_set_closed(s, "beta", 4, T0) == -EINVAL); /* outside a transaction */
+	CHECK(store_begin(s) == 0);
+	CHECK(store_set_closed(s, "beta", 4, T0) == 0);
+	CHECK(store_set_closed(s, "nobody", 6, T0) == 0);
+	CHECK(store_commit(s) == 0);
+	memset(&k, 0, sizeof(k));
+	CHECK(store_load_open(s, collect_cb, &k) == 0);
+	CHECK(k.n == 2 && k.messages == 3);
+	CHECK_STR(k.ids[0], "alpha");
+	CHECK_STR(k.ids[1], "empty");
+	/* A closed conversation still loads on demand. */
+	CHECK(store_load_conversation(s, "beta", 4, &l) == 0);
+	CHECK_SAME(b, l);
+	convo_free(l);
+	l = NULL;
+	CHECK(store_load_conversation(s, "empty", 5, &l) == 0 && l && l->nlog == 0);
+	convo_free(l);
+
+	/* fn stops the walk. */
+	memset(&k, 0, sizeof(k));
+	k.stop_after = 1;
+	CHECK(store_load_open(s, collect_cb, &k) == -ECANCELED && k.n == 1);
+
+	/* Writing the conversation again opens it. */
+	CHECK(store_begin(s) == 0 && store_put_conversation(s, b) == 0 && store_commit(s) == 0);
+	memset(&k, 0, sizeof(k));
+	CHECK(store_load_open(s, collect_cb, &k) == 0 && k.n == 3);
+	store_close(s);
+	convo_free(a);
+	convo_free(b);
+	convo_free(e);
+}
+
+struct spool_row {
+	char conv[32];
+	size_t conv_len;
+	char sk[DDBITEM_SK_MAX + 1];
+	uint32_t version;
+	int64_t enqueued;
+};
+
+struct spool_list {
+	struct spool_row rows[16];
+	size_t n;
+};
+
+static int spool_cb(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
+                    int64_t enqueued_ms)
+{
+	struct spool_list *l = arg;
+	if (l->n < 16 && conv_len < sizeof(l->rows[0].conv)) {
+		struct spool_row *r = &l->rows[l->n];
+		memcpy(r->conv, conv, conv_len);
+		r->conv_len = conv_len;
+		snprintf(r->sk, sizeof(r->sk), "%s", sk);
+		r->version = version;
+		r->enqueued = enqueued_ms;
+	}
+	l->n++;
+	return 0;
+}
+
+static struct spool_list spool_rows(struct store *s)
+{
+	struct spool_list l = {.n = 0};
+	CHECK(store_spool_each(s, spool_cb, &l) == 0);
+	return l;
+}
+
+/* The confirmed column, read with SQLite directly. */
+static int64_t confirmed_of(const char *dir, const char *conv, size_t conv_len, const char *sk)
+{
+	char path[160];
+	sqlite3 *db = NULL;
+	sqlite3_stmt *st = NULL;
+	int64_t v = -1;
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
+	    sqlite3_prepare_v2(db,
+	                       "SELECT confirmed FROM messages WHERE conversation = ? AND sk = ?",
+	                       -1, &st, NULL) == SQLITE_OK) {
+		sqlite3_bind_blob(st, 1, conv, (int)conv_len, SQLITE_STATIC);
+		sqlite3_bind_text(st, 2, sk, -1, SQLITE_STATIC);
+		if (sqlite3_step(st) == SQLITE_ROW)
+			v = sqlite3_column_int64(st, 0);
+	}
+	sqlite3_finalize(st);
+	sqlite3_close(db);
+	return v;
+}
+
+static size_t map_bytes(const struct message *m)
+{
+	json_t *map = message_to_map(m);
+	char *t = map ? json_dumps(map, JSON_COMPACT) : NULL;
+	size_t n = t ? strlen(t) : 0;
+	free(t);
+	json_decref(map);
+	return n;
+}
+
+static void test_spool(void)
+{
+	char dir[128], sk0[DDBITEM_SK_MAX + 1], sk2[DDBITEM_SK_MAX + 1];
+	struct convo_env env;
+	struct convo *c;
+	struct store *s;
+	struct spool_list l;
+	uint64_t items = 99, bytes = 99;
+	int64_t oldest = 99;
+	json_t *dl = NULL;
+	size_t n = 0;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "spool");
+	if (!(s = open_store(dir)))
+		return;
+	CHECK((c = sample(&env)) != NULL);
+	if (!c) {
+		store_close(s);
+		return;
+	}
+	CHECK(save(s, c) == 9);
+	sort_key_of(c->log[0], sk0); /* version 2 */
+	sort_key_of(c->log[2], sk2); /* the first summary */
+	CHECK(store_spool_stats(s, &items, &bytes, &oldest) == 0);
+	CHECK(items == 0 && bytes == 0 && oldest == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 1, T0) == -EINVAL);
+
+	CHECK(store_begin(s) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 2, T0 + 10) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk2, 1, T0 + 20) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 1, T0 + 30) == 0); /* older */
+	CHECK(store_spool_put(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 3, T0 + 40) == 0);
+	CHECK(store_commit(s) == 0);
+	l = spool_rows(s);
+	CHECK(l.n == 3);
+	CHECK(l.rows[0].conv_len == CONV_ID_LEN &&
+	      memcmp(l.rows[0].conv, conv_id, CONV_ID_LEN) == 0);
+	CHECK_STR(l.rows[0].sk, sk0);
+	CHECK(l.rows[0].version == 2 && l.rows[0].enqueued == T0 + 10);
+	CHECK_STR(l.rows[1].sk, sk2);
+	CHECK(l.rows[1].version == 1 && l.rows[1].enqueued == T0 + 20);
+	CHECK(l.rows[2].conv_len == 5 && memcmp(l.rows[2].conv, "other", 5) == 0);
+	/* Bytes count the stored maps; the row of "other" has none. */
+	CHECK(store_spool_stats(s, &items, &bytes, &oldest) == 0);
+	CHECK(items == 3 && oldest == T0 + 10);
+	CHECK(bytes == map_bytes(c->log[0]) + map_bytes(c->log[2]));
+
+	/* A newer version raises the row; done with an older version keeps it. */
+	CHECK(store_begin(s) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 3, T0 + 50) == 0);
+	CHECK(store_spool_done(s, conv_id, CONV_ID_LEN, sk0, 2) == 0);
+	CHECK(store_commit(s) == 0);
+	l = spool_rows(s);
+	CHECK(l.n == 3 && l.rows[0].version == 3 && l.rows[0].enqueued == T0 + 10);
+	CHECK(confirmed_of(dir, conv_id, CONV_ID_LEN, sk0) == 2);
+	CHECK(store_begin(s) == 0);
+	CHECK(store_spool_done(s, conv_id, CONV_ID_LEN, sk0, 3) == 0);
+	CHECK(store_spool_done(s, conv_id, CONV_ID_LEN, sk0, 1) == 0); /* late, older */
+	CHECK(store_commit(s) == 0);
+	l = spool_rows(s);
+	CHECK(l.n == 2);
+	CHECK_STR(l.rows[0].sk, sk2);
+	CHECK(confirmed_of(dir, conv_id, CONV_ID_LEN, sk0) == 3);
+	CHECK(store_spool_stats(s, &items, &bytes, &oldest) == 0);
+	CHECK(items == 2 && oldest == T0 + 20 && bytes == map_bytes(c->log[2]));
+
+	/* Dead letters: the row moves with the item and the error. */
+	CHECK(store_begin(s) == 0);
+	CHECK(store_dead_letter(s, conv_id, CONV_ID_LEN, sk2, 1, "{\"item\":1}",
+	                        "ValidationException: too big", T0 + 60) == 0);
+	CHECK(store_spool_put(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 4, T0 + 61) == 0);
+	/* refused version 3 while 4 waits: the row stays */
+	CHECK(store_dead_letter(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 3, NULL, "E2",
+	                        T0 + 62) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 4, T0 + 63) == 0);
+	CHECK(store_dead_letter(s, conv_id, CONV_ID_LEN, sk0, 4, NULL, "E3", T0 + 64) == 0);
+	CHECK(store_commit(s) == 0);
+	l = spool_rows(s);
+	CHECK(l.n == 1 && l.rows[0].conv_len == 5 && l.rows[0].version == 4);
+	CHECK(store_dead_letters(s, 10, &dl) == 0);
+	CHECK(json_array_size(dl) == 3);
+	{
+		json_t *d0 = json_array_get(dl, 0);
+		json_t *cv = json_object_get(d0, "conversation");
+		CHECK(json_string_length(cv) == CONV_ID_LEN &&
+		      memcmp(json_string_value(cv), conv_id, CONV_ID_LEN) == 0);
+		CHECK_STR(json_string_value(json_object_get(d0, "sk")), sk2);
+		CHECK(json_integer_value(json_object_get(d0, "version")) == 1);
+		CHECK_STR(json_string_value(json_object_get(d0, "error")),
+		          "ValidationException: too big");
+		CHECK(json_integer_value(json_object_get(d0, "at")) == T0 + 60);
+		CHECK_STR(json_string_value(json_object_get(json_array_get(dl, 2), "error")), "E3");
+	}
+	json_decref(dl);
+	CHECK(store_dead_letters(s, 2, &dl) == 0); /* the newest two, oldest first */
+	CHECK(json_array_size(dl) == 2);
+	CHECK_STR(json_string_value(json_object_get(json_array_get(dl, 0), "error")), "E2");
+	CHECK_STR(json_string_value(json_object_get(json_array_get(dl, 1), "error")), "E3");
+	json_decref(dl);
+
+	/* Retry, outside a transaction: everything back in the spool, one row per message. */
+	CHECK(store_dead_letters_retry(s, T0 + 70, &n) == 0 && n == 3);
+	l = spool_rows(s);
+	CHECK(l.n == 3);
+	CHECK(l.rows[0].conv_len == 5 && l.rows[0].version == 4 && l.rows[0].enqueued == T0 + 40);
+	CHECK_STR(l.rows[1].sk, sk2);
+	CHECK(l.rows[1].version == 1 && l.rows[1].enqueued == T0 + 70);
+	CHECK_STR(l.rows[2].sk, sk0);
+	CHECK(l.rows[2].version == 4);
+	CHECK(store_dead_letters(s, 10, &dl) == 0 && json_array_size(dl) == 0);
+	json_decref(dl);
+	/* and inside one, which a rollback undoes */
+	CHECK(store_begin(s) == 0);
+	CHECK(store_dead_letter(s, conv_id, CONV_ID_LEN, sk2, 1, NULL, "E4", T0 + 80) == 0);
+	CHECK(store_dead_letters_retry(s, T0 + 81, &n) == 0 && n == 1);
+	store_rollback(s);
+	CHECK(store_dead_letters_retry(s, T0 + 82, &n) == 0 && n == 0);
+	CHECK(spool_rows(s).n == 3);
+	store_close(s);
+
+	/* The spool survives a restart. */
+	if ((s = open_store(dir))) {
+		l = spool_rows(s);
+		CHECK(l.n == 3 && l.rows[2].version == 4);
+		store_close(s);
+	}
+	convo_free(c);
+}
+
+/* seen[CONSUMER_SINK] after a load: taken only when confirmed or spooled at that version. */
+static void test_sink_seen(void)
+{
+	char dir[128], sk0[DDBITEM_SK_MAX + 1], sk1[DDBITEM_SK_MAX + 1], sk2[DDBITEM_SK_MAX + 1];
+	struct convo_env env;
+	struct convo *c, *l = NULL;
+	struct store *s;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "sinkseen");
+	if (!(s = open_store(dir)))
+		return;
+	CHECK((c = sample(&env)) != NULL);
+	if (!c) {
+		store_close(s);
+		return;
+	}
+	CHECK(save(s, c) > 0);
+	CHECK(c->log[0]->version >= 2);
+	sort_key_of(c->log[0], sk0);
+	sort_key_of(c->log[1], sk1);
+	sort_key_of(c->log[2], sk2);
+	CHECK(store_begin(s) == 0);
+	/* An older version spooled: the current one is still to take. */
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, c->log[0]->version - 1, T0) == 0);
+	/* Confirmed at its version. */
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk1, c->log[1]->version, T0) == 0);
+	CHECK(store_spool_done(s, conv_id, CONV_ID_LEN, sk1, c->log[1]->version) == 0);
+	/* Spooled at its version. */
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk2, c->log[2]->version, T0) == 0);
+	CHECK(store_commit(s) == 0);
+	CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0);
+	if (l) {
+		CHECK(l->nlog == c->nlog);
+		CHECK(l->log[0]->seen[CONSUMER_SINK] == c->log[0]->version - 1);
+		CHECK(l->log[1]->seen[CONSUMER_SINK] == c->log[1]->version);
+		CHECK(l->log[2]->seen[CONSUMER_SINK] == c->log[2]->version);
+		for (size_t i = 3; i < l->nlog; i++)
+			CHECK(l->log[i]->seen[CONSUMER_SINK] == 0);
+	}
+	convo_free(l);
+	convo_free(c);
+	store_close(s);
+}
+
+static void test_purge(void)
+{
+	char dir[128];
+	struct convo_env env;
+	struct convo *c[4], *l = NULL;
+	const char *names[4] = {"p-old", "p-spooled", "p-recent", "p-open"};
+	struct store *s;
+	json_t *map = NULL;
+	uint32_t v;
+	int64_t u;
+	size_t removed = 9;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "purge");
+	if (!(s = open_store(dir)))
+		return;
+	for (int i = 0; i < 4; i++) {
+		c[i] = small(&env, names[i], 2);
+		CHECK(save(s, c[i]) == 2);
+	}
+	CHECK(store_begin(s) == 0);
+	CHECK(store_set_closed(s, "p-old", 5, 100) == 0);
+	CHECK(store_set_closed(s, "p-spooled", 9, 100) == 0);
+	CHECK(store_spool_put(s, "p-spooled", 9, c[1]->log[1]->id, 1, T0) == 0);
+	CHECK(store_set_closed(s, "p-recent", 8, 300) == 0);
+	CHECK(store_commit(s) == 0);
+	CHECK(store_purge_closed(s, 200, &removed) == 0 && removed == 1);
+	CHECK(store_load_conversation(s, "p-old", 5, &l) == -ENOENT);
+	CHECK(store_message_get(s, "p-old", 5, c[0]->log[0]->id, &map, &v, &u) == -ENOENT);
+	for (int i = 1; i < 4; i++) {
+		CHECK(store_load_conversation(s, names[i], strlen(names[i]), &l) == 0);
+		CHECK_SAME(c[i], l);
+		convo_free(l);
+		l = NULL;
+	}
+	/* Once its spool row is done, the second one goes too. */
+	CHECK(store_begin(s) == 0);
+	CHECK(store_spool_done(s, "p-spooled", 9, c[1]->log[1]->id, 1) == 0);
+	CHECK(store_purge_closed(s, 200, &removed) == 0 && removed == 1);
+	CHECK(store_commit(s) == 0);
+	CHECK(store_load_conversation(s, "p-spooled", 9, &l) == -ENOENT);
+	CHECK(store_purge_closed(s, 200, &removed) == 0 && removed == 0);
+	CHECK(store_purge_closed(s, 301, &removed) == 0 && removed == 1);
+	CHECK(store_load_conversation(s, "p-open", 6, &l) == 0 && l && l->nlog == 2);
+	convo_free(l);
+	store_close(s);
+	for (int i = 0; i < 4; i++)
+		convo_free(c[i]);
+}
+
+static void test_transactions(void)
+{
+	char dir[128];
+	struct convo_env env;
+	struct convo *c, *l = NULL;
+	struct store *s;
+	uint64_t items, bytes;
+	int64_t oldest;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "txn");
+	if (!(s = open_store(dir)))
+		return;
+	c = small(&env, "rolled", 3);
+	CHECK(store_commit(s) == -EINVAL);
+	store_rollback(s); /* no-op */
+	CHECK(store_put_conversation(s, c) == -EINVAL);
+	CHECK(store_put_message(s, "rolled", 6, c->log[0]) == -EINVAL);
+	CHECK(store_spool_done(s, "rolled", 6, c->log[0]->id, 1) == -EINVAL);
+	CHECK(store_dead_letter(s, "rolled", 6, c->log[0]->id, 1, NULL, "x", T0) == -EINVAL);
+	CHECK(store_begin(s) == 0);
+	CHECK(store_begin(s) == -EINVAL);
+	CHECK(put_pending(s, c) == 3);
+	CHECK(store_spool_put(s, "rolled", 6, c->log[0]->id, 1, T0) == 0);
+	CHECK(store_load_conversation(s, "rolled", 6, &l) == 0 && l && l->nlog == 3);
+	convo_free(l);
+	l = NULL;
+	store_rollback(s);
+	CHECK(store_load_conversation(s, "rolled", 6, &l) == -ENOENT && !l);
+	CHECK(store_spool_stats(s, &items, &bytes, &oldest) == 0 && items == 0);
+	/* A transaction can follow the rollback. */
+	forget_store(c);
+	CHECK(save(s, c) == 3);
+	/* Closing with a transaction open rolls it back. */
+	CHECK(store_begin(s) == 0);
+	CHECK(store_set_closed(s, "rolled", 6, T0) == 0);
+	store_close(s);
+	if ((s = open_store(dir))) {
+		struct collect k = {.n = 0};
+		CHECK(store_load_open(s, collect_cb, &k) == 0 && k.n == 1 && k.messages == 3);
+		store_close(s);
+	}
+	convo_free(c);
+}
+
+static void write_file(const char *path, long offset, const void *data, size_t len)
+{
+	int fd = open(path, O_WRONLY | O_CREAT, 0600);
+	CHECK(fd >= 0);
+	if (fd < 0)
+		return;
+	CHECK(pwrite(fd, data, len, offset) == (ssize_t)len);
+	close(fd);
+}
+
+static int sql(const char *dir, const char *statements)
+{
+	char path[160];
+	sqlite3 *db = NULL;
+	int rc;
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	rc = sqlite3_open(path, &db);
+	if (rc == SQLITE_OK)
+		rc = sqlite3_exec(db, statements, NULL, NULL, NULL);
+	sqlite3_close(db);
+	return rc;
+}
+
+/* store_open fails with rc and a message naming the file and containing what. */
+static void check_open_fails(const char *dir, int rc, const char *what, int line)
+{
+	struct store *s = NULL;
+	char err[256] = "untouched";
+	int got = store_open(dir, DURABILITY_MACHINE, &s, err, sizeof(err));
+	test_checks++;
+	if (got != rc || s || !strstr(err, what) || !strstr(err, dir)) {
+		test_failures++;
+		fprintf(stderr, "%s:%d: store_open %s: %d \"%s\", expected %d and \"%s\"\n",
+		        __FILE__, line, dir, got, err, rc, what);
+	} else {
+		printf("  store_open refused as expected: %s\n", err);
+	}
+	store_close(s);
+}
+#define CHECK_OPEN_FAILS(dir, rc, what) check_open_fails((dir), (rc), (what), __LINE__)
+
+static void test_bad_files(void)
+{
+	char dir[128], path[160], garbage[16384];
+	struct convo_env env;
+	struct convo *c;
+	struct store *s;
+
+	for (size_t i = 0; i < sizeof(garbage); i++)
+		garbage[i] = (char)(i * 31 + 7);
+	env_init(&env, T0);
+
+	make_dir(dir, sizeof(dir), "garbage");
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	write_file(path, 0, garbage, sizeof(garbage));
+	CHECK_OPEN_FAILS(dir, -EIO, "is not a convod database");
+
+	/* A real database whose pages were overwritten. */
+	make_dir(dir, sizeof(dir), "corrupt");
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	if ((s = open_store(dir))) {
+		for (int i = 0; i < 20; i++) {
+			char id[16];
+			snprintf(id, sizeof(id), "c%02d", i);
+			c = small(&env, id, 6);
+			CHECK(save(s, c) == 6);
+			convo_free(c);
+		}
+		store_close(s);
+	}
+	write_file(path, 4096, garbage, sizeof(garbage));
+	CHECK_OPEN_FAILS(dir, -EIO, "is not a convod database");
+
+	make_dir(dir, sizeof(dir), "foreign");
+	CHECK(sql(dir, "CREATE TABLE t(x); INSERT INTO t VALUES(1)") == SQLITE_OK);
+	CHECK_OPEN_FAILS(dir, -EIO, "other tables");
+	make_dir(dir, sizeof(dir), "foreign-app");
+	CHECK(sql(dir, "PRAGMA application_id=42") == SQLITE_OK);
+	CHECK_OPEN_FAILS(dir, -EIO, "another application");
+
+	make_dir(dir, sizeof(dir), "newer");
+	if ((s = open_store(dir)))
+		store_close(s);
+	CHECK(sql(dir, "PRAGMA user_version=99") == SQLITE_OK);
+	CHECK_OPEN_FAILS(dir, -EIO, "newer convod");
+
+	snprintf(dir, sizeof(dir), "%s/missing", root);
+	CHECK_OPEN_FAILS(dir, -ENOENT, "state directory");
+	snprintf(dir, sizeof(dir), "%s/garbage/convod.db", root);
+	CHECK_OPEN_FAILS(dir, -ENOTDIR, "not a directory");
+}
+
+/* Rows changed behind the store's back: the reads fail with -EIO, nothing crashes. */
+static void test_bad_rows(void)
+{
+	static const char *const damage[] = {
+	    "UPDATE messages SET map = '{\"id\":' WHERE sk = (SELECT min(sk) FROM messages)",
+	    "UPDATE messages SET map = '{\"id\":\"nope\"}' WHERE sk = (SELECT min(sk) FROM "
+	    "messages)",
+	    "UPDATE messages SET sk = sk || 'x' WHERE sk = (SELECT min(sk) FROM messages)",
+	    "UPDATE messages SET client_seen = version + 1",
+	    "UPDATE messages SET version = 0",
+	    "DELETE FROM messages WHERE sk = (SELECT max(sk) FROM messages WHERE sk < "
+	    "(SELECT max(sk) FROM messages))", /* an assistant message: the view breaks */
+	};
+	char dir[128], sk[DDBITEM_SK_MAX + 1];
+	struct convo_env env;
+	struct convo *c = NULL, *l = NULL;
+	struct collect k;
+	struct store *s;
+	json_t *map = NULL;
+	uint32_t v;
+	int64_t u;
+
+	env_init(&env, T0);
+	for (size_t i = 0; i < sizeof(damage) / sizeof(damage[0]); i++) {
+		char name[32];
+		snprintf(name, sizeof(name), "bad-row-%zu", i);
+		make_dir(dir, sizeof(dir), name);
+		if (!(s = open_store(dir)))
+			continue;
+		c = small(&env, "victim", 4);
+		CHECK(save(s, c) == 4);
+		CHECK(sql(dir, damage[i]) == SQLITE_OK);
+		CHECK(store_load_conversation(s, "victim", 6, &l) == -EIO && !l);
+		memset(&k, 0, sizeof(k));
+		CHECK(store_load_open(s, collect_cb, &k) == -EIO && k.n == 0);
+		if (i == 0) {
+			sort_key_of(c->log[0], sk);
+			CHECK(store_message_get(s, "victim", 6, sk, &map, &v, &u) == -EIO && !map);
+		}
+		store_close(s);
+		convo_free(c);
+	}
+}
+
+static void test_unwritable(void)
+{
+	char dir[128];
+	pid_t pid;
+	int status = 0;
+
+	make_dir(dir, sizeof(dir), "unwritable");
+	CHECK(chmod(dir, 0555) == 0);
+	if (geteuid() != 0) {
+		CHECK_OPEN_FAILS(dir, -EACCES, "not writable");
+		return;
+	}
+	/* root writes anyway: try as nobody in a child. */
+	CHECK(chmod(root, 0755) == 0);
+	fflush(stdout);
+	fflush(stderr);
+	pid = fork();
+	if (pid == 0) {
+		struct store *s = NULL;
+		char err[256] = "";
+		int rc;
+		if (setgid(65534) < 0 || setuid(65534) < 0)
+			_exit(77);
+		rc = store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err));
+		printf("  as uid 65534: %d %s\n", rc, err);
+		fflush(stdout);
+		_exit(rc == -EACCES && !s && strstr(err, dir) && strstr(err, "not writable") ? 0
+		                                                                             : 1);
+	}
+	CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status));
+	if (WIFEXITED(status) && WEXITSTATUS(status) == 77)
+		printf("  skipped the unwritable directory case: cannot switch to uid 65534\n");
+	else
+		CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+	CHECK(chmod(root, 0700) == 0);
+}
+
+static void test_disk_full(void)
+{
+	char dir[128], big[8192];
+	struct convo_env env;
+	struct convo *c, *l = NULL;
+	struct store *s;
+	const char *p = big;
+	size_t len = sizeof(big), nlog;
+	int rc = 0;
+
+	memset(big, 'x', sizeof(big));
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "full");
+	if (!(s = open_store(dir)))
+		return;
+	c = small(&env, "full", 2);
+	CHECK(save(s, c) == 2);
+	CHECK(store_set_size_limit(s, 1) == 0); /* no growth beyond the current size */
+
+	/* A write that does not fit fails with -ENOSPC, and the ones after it too. */
+	CHECK(store_begin(s) == 0);
+	for (int i = 0; i < 64 && !rc; i++) {
+		struct message *m = add_n(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, &p, &len, 1);
+		CHECK(m != NULL);
+		if (m)
+			rc = store_put_message(s, "full", 4, m);
+	}
+	CHECK(rc == -ENOSPC);
+	CHECK(store_put_conversation(s, c) == -ENOSPC);
+	CHECK(store_commit(s) == -ENOSPC); /* and rolled back */
+	CHECK(store_load_conversation(s, "full", 4, &l) == 0 && l && l->nlog == 2);
+	convo_free(l);
+	l = NULL;
+	CHECK(store_begin(s) == 0); /* the transaction is over */
+	rc = (int)put_pending(s, c);
+	CHECK(rc == -ENOSPC);
+	store_rollback(s);
+
+	/* Room again: the same writes go through. */
+	CHECK(store_set_size_limit(s, 0) == 0);
+	forget_store(c);
+	nlog = c->nlog;
+	CHECK(save(s, c) == (long)nlog);
+	CHECK(store_load_conversation(s, "full", 4, &l) == 0);
+	CHECK_SAME(c, l);
+	convo_free(l);
+	store_close(s);
+	convo_free(c);
+}
+
+/* Bytes this process has written so far (Linux /proc/self/io), or -1. */
+static long long written_bytes(void)
+{
+	FILE *f = fopen("/proc/self/io", "r");
+	char line[128];
+	long long n = -1;
+	while (f && fgets(line, sizeof(line), f)) {
+		if (sscanf(line, "wchar: %lld", &n) == 1)
+			break;
+	}
+	if (f)
+		fclose(f);
+	return n;
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* 100 conversations; each transaction stores one new message of each, as a loop turn
+ * serving 100 clients would, with its conversation row and spool row. */
+static void test_bench(void)
+{
+	enum { NCONV = 100 };
+	const char *env_n = getenv("STORE_BENCH_MESSAGES");
+	long total = env_n ? atol(env_n) : 100000;
+	long per = total / NCONV;
+	struct convo *c[NCONV] = {NULL};
+	char dir[128], text[160];
+	struct convo_env env;
+	struct collect k = {.n = 0};
+	struct store *s;
+	double t0, t1;
+	long long w0, w1;
+	int rc = 0;
+
+	if (per < 1)
+		per = 1;
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "bench");
+	if (!(s = open_store(dir)))
+		return;
+	for (int i = 0; i < NCONV; i++) {
+		char id[32];
+		snprintf(id, sizeof(id), "bench-%03d", i);
+		CHECK((c[i] = convo_new(id, strlen(id))) != NULL);
+	}
+	/* Ids in the order a daemon would hand them out: turn by turn. */
+	for (long j = 0; j < per; j++) {
+		for (int i = 0; i < NCONV && c[i]; i++) {
+			snprintf(text, sizeof(text),
+			         "Message %ld of conversation %d: a sentence of ordinary length "
+			         "as a voice assistant hears or says it.",
+			         j, i);
+			CHECK(add1(c[i], &env, j % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+		}
+	}
+	w0 = written_bytes();
+	t0 = now_s();
+	for (long j = 0; j < per && !rc; j++) {
+		rc = store_begin(s);
+		for (int i = 0; i < NCONV && !rc; i++) {
+			const struct message *m = c[i]->log[j];
+			rc = store_put_message(s, c[i]->id, c[i]->id_len, m);
+			if (!rc)
+				rc = store_put_conversation(s, c[i]);
+			if (!rc)
+				rc = store_spool_put(s, c[i]->id, c[i]->id_len, m->id, m->version,
+				                     T0);
+		}
+		rc = rc ? (store_rollback(s), rc) : store_commit(s);
+	}
+	t1 = now_s();
+	w1 = written_bytes();
+	CHECK(rc == 0);
+	printf("store bench: %ld messages in %ld transactions of %d (durability process): "
+	       "%.2f s, %.0f messages/s, %.0f bytes written per message\n",
+	       per * NCONV, per, NCONV, t1 - t0, (double)(per * NCONV) / (t1 - t0),
+	       w0 >= 0 && w1 >= 0 ? (double)(w1 - w0) / (double)(per * NCONV) : -1.0);
+	CHECK(store_load_open(s, collect_cb, &k) == 0);
+	CHECK(k.n == NCONV && k.messages == (size_t)(per * NCONV));
+	printf("store bench: reloaded %zu conversations, %zu messages in %.2f s\n", k.n, k.messages,
+	       now_s() - t1);
+	store_close(s);
+	for (int i = 0; i < NCONV; i++)
+		convo_free(c[i]);
+}
+
+int main(void)
+{
+	const char *tmp = getenv("TMPDIR");
+	if (!tmp || !*tmp || strlen(tmp) > 40) /* the paths built below stay short */
+		tmp = "/tmp";
+	snprintf(root, sizeof(root), "%s/test_store.XXXXXX", tmp);
+	if (!mkdtemp(root)) {
+		perror("mkdtemp");
+		return 1;
+	}
+	test_durability();
+	test_round_trip();
+	test_closed();
+	test_spool();
+	test_sink_seen();
+	test_purge();
+	test_transactions();
+	test_bad_files();
+	test_bad_rows();
+	test_unwritable();
+	test_disk_full();
+	test_bench();
+	nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	return test_done("store");
+}
