@@ -236,6 +236,9 @@ out:
 	uv_run(&d.loop, UV_RUN_DEFAULT);
 	if (uv_loop_close(&d.loop) != 0)
 		log_msg(LOG_WARN, "main", "event loop closed with handles still open");
+	/* What the flusher confirmed while draining is still in the open transaction. */
+	if (d.store && store_in_transaction(d.store) && store_commit(d.store) < 0)
+		log_msg(LOG_WARN, "store", "last commit failed: confirmed writes will be sent again");
 	dispatch_free(&d.dispatch);
 	store_close(d.store);
 	awsconf_free(&d.aws);

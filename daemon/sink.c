@@ -1,0 +1,1575 @@
+/* The flusher of sink.h: a table of pending writes keyed by (conversation, sk), sent in
+ * BatchWriteItem calls through ddbclient with capped exponential backoff and full jitter,
+ * outcomes recorded in the local store; plus the Query of a restore and CreateTable. */
+#include "sink.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ddbclient.h"
+#include "ddbitem.h"
+#include "log.h"
+
+#define SUBSYS "sink"
+#define LATENCY_SAMPLES 4096        /* calls the latency percentiles look at */
+#define LAST_ERROR_MAX 256          /* bytes kept of the last error text */
+#define RELOAD_MIN_INTERVAL_MS 1000 /* credential errors reread the settings at most this often */
+#define JOB_RETRIES 4               /* a Query or CreateTable is sent at most 1 + this often */
+#define TABLE_WAIT_MS 60000         /* CreateTable: how long to wait for ACTIVE */
+#define TABLE_POLL_MS 100
+#define QUERY_MAX_ITEMS (4u << 20) /* a restore collecting more gives up with -EFBIG */
+#define HT_MIN_BUCKETS 64
+#define BATCH_MAX_POPS 1024      /* ready entries one batch_send looks at, at most */
+#define STATS_RESCAN_MIN_MS 1000 /* spool bytes are rescanned at most this often... */
+#define STATS_RESCAN_FACTOR 50   /* ...and at most 1/50 of the time */
+
+/* A chained hash table of nodes embedded first in their owners. */
+struct hnode {
+	struct hnode *next;
+	uint64_t hash;
+};
+
+struct htable {
+	struct hnode **b;
+	size_t mask; /* buckets - 1 */
+	size_t n;
+};
+
+/* Pending entries of one conversation; the conversation id is kept here once. Lives while
+ * pending > 0. */
+struct conv {
+	struct hnode h;
+	size_t pending;
+	size_t len;
+	char id[]; /* len bytes and a NUL */
+};
+
+enum entry_state { ENTRY_READY, ENTRY_WAITING, ENTRY_INFLIGHT };
+
+/* One message to send. Always in exactly one of: the ready FIFO, the waiting heap, a batch
+ * in flight. */
+struct entry {
+	struct hnode h;
+	struct conv *conv;
+	struct entry *qnext;         /* ready FIFO */
+	struct entry *older, *newer; /* every entry, in enqueue order (oldest_pending_ms) */
+	size_t heap_idx;             /* in the waiting heap */
+	uint64_t next_ms;            /* loop time of the next attempt, while waiting */
+	int64_t enqueued_ms;         /* Unix ms of the first enqueue */
+	uint32_t wanted;             /* newest version enqueued */
+	uint32_t sending;            /* version in flight, 0 when none */
+	uint32_t attempts;           /* failures since the last confirmation */
+	uint8_t state;               /* enum entry_state */
+	bool alone;                  /* refused for good within a batch: sent alone next */
+	bool failed;                 /* the next send is a retry (counted in retried) */
+	char sk[DDBITEM_SK_MAX + 1];
+};
+
+struct batch {
+	struct sink *s;
+	size_t n;
+	struct entry *e[DDBITEM_BATCH_MAX];
+	uint32_t version[DDBITEM_BATCH_MAX];
+	json_t *item[DDBITEM_BATCH_MAX];
+};
+
+enum job_kind { JOB_QUERY, JOB_CREATE_TABLE };
+
+/* A Query (every page of one conversation) or a CreateTable with its wait for ACTIVE. */
+struct job {
+	struct job *next, *prev;
+	struct sink *s;
+	enum job_kind kind;
+	bool describing; /* CreateTable done (or the table existed): polling DescribeTable */
+	bool exists;
+	bool inflight;
+	bool ended;
+	unsigned retries;
+	uint64_t deadline_ms;
+	char *conv; /* queries: NUL-terminated conversation id */
+	json_t *items, *start_key;
+	sink_query_cb query_cb;
+	void (*table_cb)(void *arg, int status);
+	void *arg;
+	uv_timer_t timer; /* retry and poll delays; the job is freed in its close callback */
+};
+
+struct sink {
+	uv_loop_t *loop;
+	struct store *store;
+	struct sink_config cfg;
+	char *table; /* NULL: the local store is the sink */
+	struct ddbclient *client;
+	sink_settled_cb settled;
+	void *settled_arg;
+	uv_timer_t timer;       /* the earliest retry, or the end of the failure gate */
+	uv_timer_t close_timer; /* sink_close's deadline, or "finish now" */
+	uint64_t hash_seed, rng;
+
+	struct htable convs, entries;
+	size_t depth;
+	struct entry *ready_head, *ready_tail;
+	struct entry **heap; /* min-heap on next_ms of the waiting entries */
+	size_t nheap, heap_cap;
+	struct entry *oldest, *newest;
+	size_t batches_inflight;
+	bool pumping;
+
+	/* After a failed call, one batch at a time and none before gate_ms, until a call
+	 * succeeds: a dead or throttling endpoint is not hammered by every entry's own retry. */
+	unsigned fail_streak;
+	uint64_t gate_ms;
+	uint64_t last_reload_ms;
+	bool reloaded;
+
+	uint64_t writes_sent, confirmed, retried, dead_lettered, failures, unprocessed;
+	char last_error[LAST_ERROR_MAX];
+	uint32_t lat[LATENCY_SAMPLES];
+	size_t nlat, lat_pos;
+	uint64_t spool_bytes, spool_bytes_at, spool_scan_ms;
+	bool spool_bytes_valid;
+
+	struct job *jobs;
+
+	bool closing, finishing, client_closed;
+	unsigned handles; /* uv handles not closed yet (the two timers, every job's timer) */
+	void (*on_closed)(void *arg);
+	void *closed_arg;
+};
+
+void sink_config_defaults(struct sink_config *cfg)
+{
+	memset(cfg, 0, sizeof(*cfg));
+	cfg->retry_base_ms = 100;
+	cfg->retry_max_ms = 30000;
+	cfg->batch_items = DDBITEM_BATCH_MAX;
+	cfg->max_batches_inflight = 8;
+	cfg->spool_max_items = 1000000;
+	cfg->expires_days = 0;
+	cfg->connect_timeout_ms = 3000;
+	cfg->request_timeout_ms = 10000;
+}
+
+static void on_close_timer(uv_timer_t *t);
+static void maybe_freed(struct sink *s);
+
+/* --- small helpers ------------------------------------------------------------------- */
+
+static int64_t wall_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static uint64_t rng_next(struct sink *s)
+{
+	/* xorshift64*: jitter only, nothing secret */
+	uint64_t x = s->rng;
+	x ^= x >> 12;
+	x ^= x << 25;
+	x ^= x >> 27;
+	s->rng = x;
+	return x * 0x2545F4914F6CDD1DULL;
+}
+
+/* Full jitter: uniform in [0, min(retry_max, retry_base * 2^(failures - 1))]. */
+static uint64_t backoff_ms(struct sink *s, unsigned failures)
+{
+	uint64_t cap = s->cfg.retry_base_ms;
+	for (unsigned i = 1; i < failures && cap < s->cfg.retry_max_ms; i++)
+		cap *= 2;
+	if (cap > s->cfg.retry_max_ms)
+		cap = s->cfg.retry_max_ms;
+	return rng_next(s) % (cap + 1);
+}
+
+static uint64_t hash_bytes(uint64_t h, const void *p, size_t n)
+{
+	const unsigned char *c = p;
+	for (size_t i = 0; i < n; i++) {
+		h ^= c[i];
+		h *= 0x100000001b3ULL;
+	}
+	/* splitmix64's finalizer, so that the low bits used for buckets are well mixed */
+	h ^= h >> 30;
+	h *= 0xbf58476d1ce4e5b9ULL;
+	h ^= h >> 27;
+	h *= 0x94d049bb133111ebULL;
+	h ^= h >> 31;
+	return h;
+}
+
+/* The text of the last error, for stats: printable ASCII only, cut to fit. */
+static void set_last_error(struct sink *s, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void set_last_error(struct sink *s, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(s->last_error, sizeof(s->last_error), fmt, ap);
+	va_end(ap);
+	for (char *p = s->last_error; *p; p++)
+		if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e)
+			*p = ' ';
+}
+
+/* Opens the transaction the daemon commits at the end of the loop turn, if none is. */
+static int store_write_begin(struct sink *s)
+{
+	int rc;
+	if (store_in_transaction(s->store))
+		return 0;
+	rc = store_begin(s->store);
+	if (rc < 0)
+		log_msg(LOG_ERROR, SUBSYS, "cannot open a local store transaction: %s",
+		        strerror(-rc));
+	return rc;
+}
+
+/* --- hash tables ---------------------------------------------------------------------- */
+
+static int ht_init(struct htable *t)
+{
+	t->b = calloc(HT_MIN_BUCKETS, sizeof(*t->b));
+	if (!t->b)
+		return -ENOMEM;
+	t->mask = HT_MIN_BUCKETS - 1;
+	t->n = 0;
+	return 0;
+}
+
+/* Rehashes into nb buckets; on ENOMEM the table stays as it is (chains get longer). */
+static void ht_resize(struct htable *t, size_t nb)
+{
+	struct hnode **b = calloc(nb, sizeof(*b));
+	if (!b)
+		return;
+	for (size_t i = 0; i <= t->mask; i++) {
+		struct hnode *h = t->b[i], *next;
+		for (; h; h = next) {
+			next = h->next;
+			h->next = b[h->hash & (nb - 1)];
+			b[h->hash & (nb - 1)] = h;
+		}
+	}
+	free(t->b);
+	t->b = b;
+	t->mask = nb - 1;
+}
+
+static void ht_insert(struct htable *t, struct hnode *h)
+{
+	struct hnode **slot = &t->b[h->hash & t->mask];
+	h->next = *slot;
+	*slot = h;
+	if (++t->n > t->mask + 1)
+		ht_resize(t, 2 * (t->mask + 1));
+}
+
+static void ht_remove(struct htable *t, struct hnode *h)
+{
+	struct hnode **p = &t->b[h->hash & t->mask];
+	while (*p && *p != h)
+		p = &(*p)->next;
+	if (*p)
+		*p = h->next;
+	t->n--;
+	if (t->mask + 1 > HT_MIN_BUCKETS && t->n < (t->mask + 1) / 8)
+		ht_resize(t, (t->mask + 1) / 2);
+}
+
+static struct conv *conv_find(const struct sink *s, const char *id, size_t len, uint64_t hash)
+{
+	for (struct hnode *h = s->convs.b[hash & s->convs.mask]; h; h = h->next) {
+		struct conv *c = (struct conv *)h;
+		if (h->hash == hash && c->len == len && memcmp(c->id, id, len) == 0)
+			return c;
+	}
+	return NULL;
+}
+
+static uint64_t entry_hash(const struct sink *s, const struct conv *c, const char *sk)
+{
+	return hash_bytes(c->h.hash ^ s->hash_seed, sk, strlen(sk));
+}
+
+static struct entry *entry_find(const struct sink *s, const struct conv *c, const char *sk)
+{
+	uint64_t hash = entry_hash(s, c, sk);
+	for (struct hnode *h = s->entries.b[hash & s->entries.mask]; h; h = h->next) {
+		struct entry *e = (struct entry *)h;
+		if (h->hash == hash && e->conv == c && strcmp(e->sk, sk) == 0)
+			return e;
+	}
+	return NULL;
+}
+
+/* --- ready FIFO and waiting heap --------------------------------------------------------- */
+
+static void ready_push_back(struct sink *s, struct entry *e)
+{
+	e->state = ENTRY_READY;
+	e->qnext = NULL;
+	if (s->ready_tail)
+		s->ready_tail->qnext = e;
+	else
+		s->ready_head = e;
+	s->ready_tail = e;
+}
+
+static void ready_push_front(struct sink *s, struct entry *e)
+{
+	e->state = ENTRY_READY;
+	e->qnext = s->ready_head;
+	s->ready_head = e;
+	if (!s->ready_tail)
+		s->ready_tail = e;
+}
+
+static struct entry *ready_pop(struct sink *s)
+{
+	struct entry *e = s->ready_head;
+	if (e) {
+		s->ready_head = e->qnext;
+		if (!s->ready_head)
+			s->ready_tail = NULL;
+		e->qnext = NULL;
+	}
+	return e;
+}
+
+static void heap_set(struct sink *s, size_t i, struct entry *e)
+{
+	s->heap[i] = e;
+	e->heap_idx = i;
+}
+
+static void heap_up(struct sink *s, size_t i)
+{
+	struct entry *e = s->heap[i];
+	while (i > 0) {
+		size_t p = (i - 1) / 2;
+		if (s->heap[p]->next_ms <= e->next_ms)
+			break;
+		heap_set(s, i, s->heap[p]);
+		i = p;
+	}
+	heap_set(s, i, e);
+}
+
+static void heap_down(struct sink *s, size_t i)
+{
+	struct entry *e = s->heap[i];
+	for (;;) {
+		size_t c = 2 * i + 1;
+		if (c >= s->nheap)
+			break;
+		if (c + 1 < s->nheap && s->heap[c + 1]->next_ms < s->heap[c]->next_ms)
+			c++;
+		if (e->next_ms <= s->heap[c]->next_ms)
+			break;
+		heap_set(s, i, s->heap[c]);
+		i = c;
+	}
+	heap_set(s, i, e);
+}
+
+static int heap_reserve(struct sink *s)
+{
+	if (s->nheap == s->heap_cap) {
+		size_t ncap = s->heap_cap ? 2 * s->heap_cap : 256;
+		struct entry **p = realloc(s->heap, ncap * sizeof(*p));
+		if (!p)
+			return -ENOMEM;
+		s->heap = p;
+		s->heap_cap = ncap;
+	}
+	return 0;
+}
+
+static struct entry *heap_pop(struct sink *s)
+{
+	struct entry *top = s->heap[0];
+	if (--s->nheap > 0) {
+		s->heap[0] = s->heap[s->nheap];
+		heap_down(s, 0);
+	}
+	return top;
+}
+
+/* --- entries ------------------------------------------------------------------------------ */
+
+/* Removes a settled entry (not queued anywhere); may run the settled callback. */
+static void entry_remove(struct sink *s, struct entry *e)
+{
+	struct conv *c = e->conv;
+
+	ht_remove(&s->entries, &e->h);
+	if (e->older)
+		e->older->newer = e->newer;
+	else
+		s->oldest = e->newer;
+	if (e->newer)
+		e->newer->older = e->older;
+	else
+		s->newest = e->older;
+	s->depth--;
+	free(e);
+	if (--c->pending == 0) {
+		/* Unlinked before the callback, which may enqueue this conversation again. */
+		ht_remove(&s->convs, &c->h);
+		if (s->settled)
+			s->settled(s->settled_arg, c->id, c->len);
+		free(c);
+	}
+	if (s->closing && s->depth == 0 && !s->finishing)
+		uv_timer_start(&s->close_timer, on_close_timer, 0, 0); /* all sent: stop now */
+}
+
+/* A failed attempt: back to waiting, for a random time under the entry's backoff cap. */
+static void entry_retry(struct sink *s, struct entry *e, uint64_t now)
+{
+	e->sending = 0;
+	e->failed = true;
+	if (e->attempts < UINT32_MAX)
+		e->attempts++;
+	if (heap_reserve(s) < 0) {
+		/* Cannot wait in order: try again with the next pump rather than lose it. */
+		ready_push_back(s, e);
+		return;
+	}
+	e->state = ENTRY_WAITING;
+	e->next_ms = now + backoff_ms(s, e->attempts);
+	s->heap[s->nheap++] = e;
+	heap_up(s, s->nheap - 1);
+}
+
+static void entry_confirmed(struct sink *s, struct entry *e, uint32_t version)
+{
+	int rc = store_write_begin(s);
+
+	if (rc == 0 &&
+	    (rc = store_spool_done(s->store, e->conv->id, e->conv->len, e->sk, version)) < 0)
+		log_msg(LOG_ERROR, SUBSYS,
+		        "recording a confirmed write failed (%s); it will be sent again after a "
+		        "restart",
+		        strerror(-rc));
+	s->confirmed++;
+	e->sending = 0;
+	e->attempts = 0;
+	e->alone = false;
+	e->failed = false;
+	if (e->wanted > version)
+		ready_push_back(s, e); /* changed meanwhile: the newer version goes out next */
+	else
+		entry_remove(s, e);
+}
+
+/* A write refused for good (or that can never be built): into the store's dead letters,
+ * counted and logged. A newer version enqueued meanwhile has not been tried: it stays. */
+static void entry_dead_letter(struct sink *s, struct entry *e, uint32_t version, const json_t *item,
+                              const char *error)
+{
+	char *text = item ? json_dumps(item, JSON_COMPACT) : NULL;
+	int rc = store_write_begin(s);
+
+	if (rc == 0)
+		rc = store_dead_letter(s->store, e->conv->id, e->conv->len, e->sk, version, text,
+		                       error, wall_ms());
+	free(text);
+	s->dead_lettered++;
+	set_last_error(s, "dead letter: %s", error);
+	log_msg(LOG_ERROR, SUBSYS,
+	        "write refused for good, kept as a dead letter%s: conversation \"%.*s\" message "
+	        "%s version %" PRIu32 ": %s",
+	        rc < 0 ? " (NOT recorded: the local store failed)" : "",
+	        (int)(e->conv->len > 200 ? 200 : e->conv->len), e->conv->id, e->sk, version, error);
+	e->sending = 0;
+	e->attempts = 0;
+	e->alone = false;
+	e->failed = false;
+	if (e->wanted > version)
+		ready_push_back(s, e);
+	else
+		entry_remove(s, e);
+}
+
+int sink_enqueue(struct sink *s, const char *conv, size_t conv_len, const char *sk,
+                 uint32_t version, int64_t enqueued_ms)
+{
+	size_t sk_len;
+	uint64_t hash;
+	struct conv *c;
+	struct entry *e;
+	bool new_conv = false;
+
+	if (!s || !conv || conv_len == 0 || conv_len > DDBITEM_PARTITION_KEY_MAX || !sk ||
+	    version == 0)
+		return -EINVAL;
+	sk_len = strlen(sk);
+	if (sk_len == 0 || sk_len > DDBITEM_SK_MAX || memchr(conv, '\0', conv_len))
+		return -EINVAL;
+	if (!s->table)
+		return -ENOTSUP;
+	if (s->closing)
+		return -ESHUTDOWN;
+	hash = hash_bytes(s->hash_seed, conv, conv_len);
+	c = conv_find(s, conv, conv_len, hash);
+	if (c && (e = entry_find(s, c, sk))) {
+		if (version > e->wanted)
+			e->wanted = version;
+		return 0;
+	}
+	if (!c) {
+		c = malloc(sizeof(*c) + conv_len + 1);
+		if (!c)
+			return -ENOMEM;
+		c->h.hash = hash;
+		c->pending = 0;
+		c->len = conv_len;
+		memcpy(c->id, conv, conv_len);
+		c->id[conv_len] = '\0';
+		new_conv = true;
+	}
+	e = calloc(1, sizeof(*e));
+	if (!e) {
+		if (new_conv)
+			free(c);
+		return -ENOMEM;
+	}
+	if (new_conv)
+		ht_insert(&s->convs, &c->h);
+	e->conv = c;
+	memcpy(e->sk, sk, sk_len + 1);
+	e->h.hash = entry_hash(s, c, sk);
+	e->wanted = version;
+	e->enqueued_ms = enqueued_ms;
+	ht_insert(&s->entries, &e->h);
+	e->older = s->newest;
+	if (s->newest)
+		s->newest->newer = e;
+	else
+		s->oldest = e;
+	s->newest = e;
+	c->pending++;
+	s->depth++;
+	ready_push_back(s, e);
+	return 0;
+}
+
+size_t sink_pending(const struct sink *s, const char *conv, size_t conv_len)
+{
+	const struct conv *c;
+	if (!s || !s->table || !conv)
+		return 0;
+	c = conv_find(s, conv, conv_len, hash_bytes(s->hash_seed, conv, conv_len));
+	return c ? c->pending : 0;
+}
+
+bool sink_full(const struct sink *s)
+{
+	return s && s->table && s->depth >= s->cfg.spool_max_items;
+}
+
+size_t sink_depth(const struct sink *s)
+{
+	return s ? s->depth : 0;
+}
+
+bool sink_remote(const struct sink *s)
+{
+	return s && s->table;
+}
+
+/* --- classification of answers ------------------------------------------------------------ */
+
+enum outcome { OUT_OK, OUT_RETRY, OUT_CREDENTIALS, OUT_PERMANENT };
+
+static bool credentials_error(const char *type)
+{
+	static const char *const names[] = {
+	    "UnrecognizedClientException",
+	    "ExpiredTokenException",
+	    "ExpiredToken",
+	    "InvalidSignatureException",
+	    "MissingAuthenticationToken",
+	    "MissingAuthenticationTokenException",
+	    "IncompleteSignature",
+	    "IncompleteSignatureException",
+	    "InvalidClientTokenId",
+	    "SignatureDoesNotMatch",
+	    "AccessDeniedException",
+	    NULL,
+	};
+	for (const char *const *p = names; *p; p++)
+		if (strcmp(type, *p) == 0)
+			return true;
+	return false;
+}
+
+/* What an answer other than 200 means, and a text for logs and stats. Messages of
+ * credential errors are left out: AWS may quote the canonical request in them. */
+static enum outcome classify(const struct ddbclient_result *res, char *why, size_t size)
+{
+	char type[128], message[192];
+
+	if (res->status == 200)
+		return OUT_OK;
+	if (res->status == 0) {
+		snprintf(why, size, "%s: %s%s", res->operation, res->timed_out ? "timeout: " : "",
+		         res->error[0] ? res->error : "transport failure");
+		return OUT_RETRY;
+	}
+	if (ddbitem_error_parse(res->body, res->body_len, type, sizeof(type), message,
+	                        sizeof(message)) < 0) {
+		type[0] = '\0';
+		message[0] = '\0';
+	}
+	if (type[0] && credentials_error(type)) {
+		snprintf(why, size, "%s: HTTP %ld %s", res->operation, res->status, type);
+		return OUT_CREDENTIALS;
+	}
+	if (res->status == 403) {
+		snprintf(why, size, "%s: HTTP 403%s%s", res->operation, type[0] ? " " : "", type);
+		return OUT_CREDENTIALS;
+	}
+	snprintf(why, size, "%s: HTTP %ld%s%s%s%s", res->operation, res->status, type[0] ? " " : "",
+	         type, message[0] ? ": " : "", message);
+	if (res->status >= 400 && res->status < 500 && type[0] && ddbitem_error_permanent(type))
+		return OUT_PERMANENT;
+	return OUT_RETRY; /* 5xx, throttling, other 4xx, unreadable answers */
+}
+
+static void maybe_reload_credentials(struct sink *s)
+{
+	uint64_t now = uv_now(s->loop);
+	if (s->reloaded && now - s->last_reload_ms < RELOAD_MIN_INTERVAL_MS)
+		return;
+	s->reloaded = true;
+	s->last_reload_ms = now;
+	sink_reload_credentials(s);
+}
+
+int sink_reload_credentials(struct sink *s)
+{
+	struct awsconf conf;
+	char err[AWSCONF_ERRBUF_SIZE], line[256];
+	int rc;
+
+	if (!s || !s->client)
+		return 0;
+	rc = awsconf_load(&conf, err);
+	if (rc < 0) {
+		log_msg(LOG_WARN, SUBSYS, "rereading the AWS settings failed: %s", err);
+		return rc;
+	}
+	if (!awsconf_has_credentials(&conf)) {
+		log_msg(LOG_WARN, SUBSYS, "rereading the AWS settings: no credentials found (%s)",
+		        awsconf_describe(&conf, line, sizeof(line)));
+		awsconf_free(&conf);
+		return -ENOKEY;
+	}
+	rc = ddbclient_set_credentials(s->client, conf.access_key_id, conf.secret_access_key,
+	                               conf.session_token);
+	if (rc == 0)
+		log_msg(LOG_INFO, SUBSYS, "AWS credentials reread: %s",
+		        awsconf_describe(&conf, line, sizeof(line)));
+	else
+		log_msg(LOG_WARN, SUBSYS, "the reread AWS credentials were refused: %s",
+		        strerror(-rc));
+	awsconf_free(&conf);
+	return rc;
+}
+
+/* --- batches --------------------------------------------------------------------------- */
+
+static void latency_add(struct sink *s, uint64_t ms)
+{
+	s->lat[s->lat_pos] = ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
+	s->lat_pos = (s->lat_pos + 1) % LATENCY_SAMPLES;
+	if (s->nlat < LATENCY_SAMPLES)
+		s->nlat++;
+}
+
+static void batch_free(struct batch *b)
+{
+	for (size_t i = 0; i < b->n; i++)
+		json_decref(b->item[i]);
+	free(b);
+}
+
+/* A call failed in a way worth retrying: every entry waits its backoff, and the gate
+ * holds further calls back for a while. */
+static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64_t now)
+{
+	s->failures++;
+	set_last_error(s, "%s", why);
+	if (s->fail_streak < 64)
+		s->fail_streak++;
+	s->gate_ms = now + backoff_ms(s, s->fail_streak);
+	if ((s->fail_streak & (s->fail_streak - 1)) == 0) /* 1, 2, 4, 8, ... in a row */
+		log_msg(LOG_WARN, SUBSYS,
+		        "%s (%u failed call%s in a row); %zu item%s wait%s to be "
+		        "sent again",
+		        why, s->fail_streak, s->fail_streak == 1 ? "" : "s", b->n,
+		        b->n == 1 ? "" : "s", b->n == 1 ? "s" : "");
+	else
+		log_msg(LOG_DEBUG, SUBSYS, "%s; %zu items wait", why, b->n);
+	for (size_t i = 0; i < b->n; i++)
+		entry_retry(s, b->e[i], now);
+}
+
+/* Refused for good: a batch of several is split to find the culprit(s); a single item is
+ * a dead letter. */
+static void batch_permanent(struct sink *s, struct batch *b, const char *why)
+{
+	s->failures++;
+	set_last_error(s, "%s", why);
+	if (b->n == 1) {
+		entry_dead_letter(s, b->e[0], b->version[0], b->item[0], why);
+		return;
+	}
+	log_msg(LOG_WARN, SUBSYS, "%s; sending the %zu items of that batch one by one", why, b->n);
+	for (size_t i = b->n; i-- > 0;) {
+		struct entry *e = b->e[i];
+		e->sending = 0;
+		e->alone = true;
+		e->failed = true;
+		ready_push_front(s, e);
+	}
+}
+
+static void batch_succeeded(struct sink *s)
+{
+	if (s->fail_streak)
+		log_msg(LOG_INFO, SUBSYS, "BatchWriteItem succeeds again after %u failed call%s",
+		        s->fail_streak, s->fail_streak == 1 ? "" : "s");
+	s->fail_streak = 0;
+}
+
+static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient_result *res,
+                         uint64_t now)
+{
+	json_t *unprocessed = NULL, *it;
+	struct error err;
+	bool back[DDBITEM_BATCH_MAX] = {false};
+	size_t nback = 0, i, j;
+	char why[LAST_ERROR_MAX];
+
+	switch (classify(res, why, sizeof(why))) {
+	case OUT_OK:
+		break;
+	case OUT_CREDENTIALS:
+		maybe_reload_credentials(s);
+		batch_retry(s, b, why, now);
+		return;
+	case OUT_PERMANENT:
+		batch_permanent(s, b, why);
+		return;
+	case OUT_RETRY:
+		batch_retry(s, b, why, now);
+		return;
+	}
+	if (ddbitem_batch_write_parse(res->body, res->body_len, s->table, &unprocessed, &err) !=
+	    ERR_OK) {
+		snprintf(why, sizeof(why), "BatchWriteItem: unreadable answer: %.200s",
+		         err.message);
+		batch_retry(s, b, why, now);
+		return;
+	}
+	json_array_foreach(unprocessed, i, it)
+	{
+		const char *conv, *sk;
+		bool matched = false;
+		if (ddbitem_key(it, &conv, &sk) == 0) {
+			for (j = 0; j < b->n && !matched; j++) {
+				if (!back[j] && strcmp(b->e[j]->sk, sk) == 0 &&
+				    strcmp(b->e[j]->conv->id, conv) == 0) {
+					back[j] = matched = true;
+					nback++;
+				}
+			}
+		}
+		if (!matched) {
+			/* Not one of ours: which item was left out is unknown, so all are. */
+			json_decref(unprocessed);
+			batch_retry(s, b, "BatchWriteItem: UnprocessedItems names an item not sent",
+			            now);
+			return;
+		}
+	}
+	json_decref(unprocessed);
+	if (nback < b->n)
+		batch_succeeded(s);
+	if (nback) {
+		s->unprocessed += nback;
+		log_msg(LOG_DEBUG, SUBSYS, "BatchWriteItem left %zu of %zu items unprocessed",
+		        nback, b->n);
+	}
+	for (j = 0; j < b->n; j++) {
+		if (back[j])
+			entry_retry(s, b->e[j], now);
+		else
+			entry_confirmed(s, b->e[j], b->version[j]);
+	}
+}
+
+static void pump(struct sink *s);
+
+static void on_batch_done(const struct ddbclient_result *res, void *arg)
+{
+	struct batch *b = arg;
+	struct sink *s = b->s;
+
+	s->batches_inflight--;
+	if (res->canceled || s->finishing) {
+		batch_free(b); /* the entries stay in the spool for the next start */
+		return;
+	}
+	latency_add(s, res->elapsed_ms);
+	batch_answer(s, b, res, uv_now(s->loop));
+	batch_free(b);
+	pump(s);
+}
+
+/* The item of entry e from the store's current row. 0, or -errno after disposing of e (dead
+ * letter when it can never be built, back to waiting when the store could not be read). */
+static int entry_item(struct sink *s, struct entry *e, uint64_t now, json_t **item,
+                      uint32_t *version)
+{
+	json_t *map = NULL;
+	int64_t updated = 0, expires = 0;
+	struct error err;
+	enum error_code ec;
+	int rc;
+
+	rc = store_message_get(s->store, e->conv->id, e->conv->len, e->sk, &map, version, &updated);
+	if (rc == -ENOENT) {
+		entry_dead_letter(s, e, e->wanted, NULL,
+		                  "the message is no longer in the local store");
+		return rc;
+	}
+	if (rc < 0) {
+		set_last_error(s, "reading the local store failed: %s", strerror(-rc));
+		entry_retry(s, e, now);
+		return rc;
+	}
+	if (*version < e->wanted) {
+		log_msg(LOG_WARN, SUBSYS,
+		        "conversation \"%.*s\" message %s: the store holds version %" PRIu32
+		        ", below the spooled %" PRIu32 "; sending the stored one",
+		        (int)(e->conv->len > 200 ? 200 : e->conv->len), e->conv->id, e->sk,
+		        *version, e->wanted);
+		e->wanted = *version;
+	}
+	if (s->cfg.expires_days)
+		expires = wall_ms() / 1000 + (int64_t)s->cfg.expires_days * 86400;
+	ec = ddbitem_from_map(e->conv->id, map, *version, updated, expires, item, &err);
+	json_decref(map);
+	if (ec == ERR_INTERNAL) {
+		set_last_error(s, "building an item: %s", err.message);
+		entry_retry(s, e, now);
+		return -ENOMEM;
+	}
+	if (ec != ERR_OK) {
+		char why[LAST_ERROR_MAX];
+		snprintf(why, sizeof(why), "the stored message cannot be made an item: %.200s",
+		         err.message);
+		entry_dead_letter(s, e, *version, NULL, why);
+		return -EINVAL;
+	}
+	return 0;
+}
+
+/* Sends one batch of ready entries. 1 when a call went out, 0 when there was nothing to
+ * send, -errno when the call could not be made (its entries are disposed of). */
+static int batch_send(struct sink *s, uint64_t now)
+{
+	struct batch *b;
+	struct entry *e;
+	json_t *req = NULL;
+	char *body = NULL;
+	struct error err;
+	char why[LAST_ERROR_MAX];
+	int rc;
+
+	b = calloc(1, sizeof(*b));
+	if (!b)
+		return -ENOMEM;
+	b->s = s;
+	/* Entries that cannot be sent go elsewhere (dead letters, waiting, rarely back to the
+	 * ready tail): the pops are bounded so that this always ends. */
+	for (size_t pops = 0;
+	     b->n < s->cfg.batch_items && pops < BATCH_MAX_POPS && (e = s->ready_head); pops++) {
+		if (e->alone && b->n > 0)
+			break;
+		ready_pop(s);
+		if (entry_item(s, e, now, &b->item[b->n], &b->version[b->n]) < 0)
+			continue;
+		e->state = ENTRY_INFLIGHT;
+		e->sending = b->version[b->n];
+		b->e[b->n++] = e;
+		if (e->alone)
+			break;
+	}
+	if (b->n == 0) {
+		free(b);
+		return 0;
+	}
+	if (ddbitem_batch_write_request(s->table, b->item, b->n, &req, &err) != ERR_OK ||
+	    !(body = json_dumps(req, JSON_COMPACT))) {
+		snprintf(why, sizeof(why), "BatchWriteItem: building the request: %.200s",
+		         req ? "out of memory" : err.message);
+		rc = -ENOMEM;
+		goto fail;
+	}
+	rc = ddbclient_call(s->client, "BatchWriteItem", body, strlen(body), on_batch_done, b);
+	if (rc == -EMSGSIZE) {
+		snprintf(why, sizeof(why), "BatchWriteItem: request of %zu bytes over the limit",
+		         strlen(body));
+		batch_permanent(s, b, why);
+		goto out;
+	}
+	if (rc == -ENOKEY) {
+		maybe_reload_credentials(s);
+		snprintf(why, sizeof(why), "BatchWriteItem: no AWS credentials");
+		goto fail;
+	}
+	if (rc < 0) {
+		snprintf(why, sizeof(why), "BatchWriteItem: %s", strerror(-rc));
+		goto fail;
+	}
+	for (size_t i = 0; i < b->n; i++) {
+		if (b->e[i]->failed) {
+			s->retried++;
+			b->e[i]->failed = false;
+		}
+	}
+	s->writes_sent += b->n;
+	s->batches_inflight++;
+	b = NULL;
+	rc = 1;
+	goto out;
+fail:
+	batch_retry(s, b, why, now);
+out:
+	if (b)
+		batch_free(b);
+	free(body);
+	json_decref(req);
+	return rc;
+}
+
+static void on_timer(uv_timer_t *t)
+{
+	pump(t->data);
+}
+
+/* Wakes the pump when the next entry is due or the gate opens; completions wake it
+ * otherwise. */
+static void arm_timer(struct sink *s, uint64_t now)
+{
+	uint64_t due = UINT64_MAX;
+	size_t limit = s->fail_streak ? 1 : s->cfg.max_batches_inflight;
+
+	if (s->ready_head) {
+		if (s->fail_streak && s->gate_ms > now)
+			due = s->gate_ms;
+		else if (s->batches_inflight < limit)
+			due = now + 1; /* a call could not be made: try again shortly */
+	} else if (s->nheap) {
+		due = s->heap[0]->next_ms;
+		if (s->fail_streak && s->gate_ms > due)
+			due = s->gate_ms;
+	}
+	if (due == UINT64_MAX) {
+		uv_timer_stop(&s->timer);
+		return;
+	}
+	uv_timer_start(&s->timer, on_timer, due > now ? due - now : 0, 0);
+}
+
+static void pump(struct sink *s)
+{
+	uint64_t now;
+
+	if (!s->client || s->finishing || s->pumping)
+		return;
+	s->pumping = true;
+	now = uv_now(s->loop);
+	while (s->nheap && s->heap[0]->next_ms <= now)
+		ready_push_back(s, heap_pop(s));
+	for (;;) {
+		size_t limit = s->fail_streak ? 1 : s->cfg.max_batches_inflight;
+		if (s->batches_inflight >= limit || !s->ready_head)
+			break;
+		if (s->fail_streak && now < s->gate_ms)
+			break;
+		if (batch_send(s, now) <= 0)
+			break; /* nothing went out: go on from the timer, not in a loop here */
+	}
+	s->pumping = false;
+	arm_timer(s, now);
+}
+
+void sink_kick(struct sink *s)
+{
+	if (s)
+		pump(s);
+}
+
+/* --- stats ------------------------------------------------------------------------------ */
+
+static int cmp_u32(const void *a, const void *b)
+{
+	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Nearest rank: the smallest sample with at least per_mille of them at or below it. */
+static uint32_t percentile(const uint32_t *sorted, size_t n, unsigned per_mille)
+{
+	size_t rank = (n * per_mille + 999) / 1000;
+	return sorted[rank > 0 ? rank - 1 : 0];
+}
+
+json_t *sink_stats_spool(struct sink *s)
+{
+	uint64_t items = 0, bytes = 0;
+	json_t *oldest = json_null();
+
+	if (s && s->table && s->depth > 0) {
+		uint64_t now = uv_now(s->loop);
+		int64_t age;
+
+		if (!s->spool_bytes_valid ||
+		    now - s->spool_bytes_at >=
+		        (s->spool_scan_ms * STATS_RESCAN_FACTOR > STATS_RESCAN_MIN_MS
+		             ? s->spool_scan_ms * STATS_RESCAN_FACTOR
+		             : STATS_RESCAN_MIN_MS)) {
+			uint64_t t0 = uv_hrtime(), n = 0, b = 0;
+			int64_t first = 0;
+			if (store_spool_stats(s->store, &n, &b, &first) == 0) {
+				s->spool_bytes = b;
+				s->spool_bytes_valid = true;
+			}
+			s->spool_bytes_at = now;
+			s->spool_scan_ms = (uv_hrtime() - t0) / 1000000u;
+		}
+		items = s->depth;
+		bytes = s->spool_bytes;
+		age = wall_ms() - s->oldest->enqueued_ms;
+		json_decref(oldest);
+		oldest = json_integer(age > 0 ? age : 0);
+	}
+	return json_pack("{s:I, s:I, s:o}", "items", (json_int_t)items, "bytes", (json_int_t)bytes,
+	                 "oldest_pending_ms", oldest);
+}
+
+json_t *sink_stats_sink(struct sink *s)
+{
+	json_t *lat, *last_error;
+	bool remote = s && s->table;
+
+	if (remote && s->nlat > 0) {
+		uint32_t *v = malloc(s->nlat * sizeof(*v));
+		if (!v)
+			return NULL;
+		memcpy(v, s->lat, s->nlat * sizeof(*v));
+		qsort(v, s->nlat, sizeof(*v), cmp_u32);
+		lat = json_pack("{s:I, s:I, s:I}", "p50", (json_int_t)percentile(v, s->nlat, 500),
+		                "p99", (json_int_t)percentile(v, s->nlat, 990), "p999",
+		                (json_int_t)percentile(v, s->nlat, 999));
+		free(v);
+	} else {
+		lat = json_pack("{s:n, s:n, s:n}", "p50", "p99", "p999");
+	}
+	last_error = remote && s->last_error[0] ? json_string(s->last_error) : json_null();
+	return json_pack(
+	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:I}", "kind",
+	    remote ? "dynamodb" : "local", "writes_sent", (json_int_t)(remote ? s->writes_sent : 0),
+	    "confirmed", (json_int_t)(remote ? s->confirmed : 0), "retried",
+	    (json_int_t)(remote ? s->retried : 0), "failures",
+	    (json_int_t)(remote ? s->failures : 0), "dead_lettered",
+	    (json_int_t)(remote ? s->dead_lettered : 0), "unprocessed",
+	    (json_int_t)(remote ? s->unprocessed : 0), "last_error", last_error, "latency_ms", lat,
+	    "inflight", (json_int_t)(remote ? s->batches_inflight : 0));
+}
+
+/* --- Query and CreateTable jobs ------------------------------------------------------------ */
+
+static void job_send(struct job *j);
+
+static void on_job_closed(uv_handle_t *h)
+{
+	struct job *j = h->data;
+	struct sink *s = j->s;
+	json_decref(j->items);
+	json_decref(j->start_key);
+	free(j->conv);
+	free(j);
+	s->handles--;
+	maybe_freed(s);
+}
+
+static void job_end(struct job *j, int status)
+{
+	struct sink *s = j->s;
+
+	if (j->ended)
+		return;
+	j->ended = true;
+	if (j->prev)
+		j->prev->next = j->next;
+	else
+		s->jobs = j->next;
+	if (j->next)
+		j->next->prev = j->prev;
+	uv_timer_stop(&j->timer);
+	if (j->kind == JOB_QUERY)
+		j->query_cb(j->arg, status, status == 0 ? j->items : NULL);
+	else
+		j->table_cb(j->arg, status);
+	uv_close((uv_handle_t *)&j->timer, on_job_closed);
+}
+
+static void on_job_timer(uv_timer_t *t)
+{
+	job_send(t->data);
+}
+
+/* A retryable failure: again after a backoff, or the end after JOB_RETRIES. */
+static void job_retry(struct job *j, const char *why, int status)
+{
+	struct sink *s = j->s;
+	if (j->retries >= JOB_RETRIES) {
+		log_msg(LOG_WARN, SUBSYS, "%s; giving up after %u attempts", why, j->retries + 1);
+		job_end(j, status);
+		return;
+	}
+	j->retries++;
+	log_msg(LOG_DEBUG, SUBSYS, "%s; trying again", why);
+	uv_timer_start(&j->timer, on_job_timer, backoff_ms(s, j->retries), 0);
+}
+
+static int job_query_page(struct job *j, const struct ddbclient_result *res)
+{
+	json_t *items = NULL, *last = NULL;
+	struct error err;
+	size_t n;
+
+	if (ddbitem_query_parse(res->body, res->body_len, &items, &last, &err) != ERR_OK) {
+		log_msg(LOG_WARN, SUBSYS, "Query: unreadable answer: %s", err.message);
+		return -EIO;
+	}
+	n = json_array_size(items);
+	if (json_array_size(j->items) + n > QUERY_MAX_ITEMS || json_array_extend(j->items, items)) {
+		json_decref(items);
+		json_decref(last);
+		return json_array_size(j->items) + n > QUERY_MAX_ITEMS ? -EFBIG : -ENOMEM;
+	}
+	json_decref(items);
+	json_decref(j->start_key);
+	j->start_key = last;
+	return 0;
+}
+
+static void on_job_done(const struct ddbclient_result *res, void *arg)
+{
+	struct job *j = arg;
+	struct sink *s = j->s;
+	char why[LAST_ERROR_MAX], type[128], message[64];
+	enum outcome out;
+	int rc;
+
+	j->inflight = false;
+	if (res->canceled || s->finishing) {
+		job_end(j, -ECANCELED);
+		return;
+	}
+	out = classify(res, why, sizeof(why));
+	if (j->kind == JOB_CREATE_TABLE && !j->describing && res->status == 400 &&
+	    ddbitem_error_parse(res->body, res->body_len, type, sizeof(type), message,
+	                        sizeof(message)) == 0 &&
+	    strcmp(type, "ResourceInUseException") == 0) {
+		j->exists = true;
+		j->describing = true;
+		job_send(j);
+		return;
+	}
+	if (j->kind == JOB_CREATE_TABLE && j->describing && res->status == 400 &&
+	    ddbitem_error_parse(res->body, res->body_len, type, sizeof(type), message,
+	                        sizeof(message)) == 0 &&
+	    strcmp(type, "ResourceNotFoundException") == 0)
+		out = OUT_OK; /* just created: not visible yet; poll again */
+	switch (out) {
+	case OUT_OK:
+		break;
+	case OUT_CREDENTIALS:
+		maybe_reload_credentials(s);
+		job_retry(j, why, -EACCES);
+		return;
+	case OUT_RETRY:
+		job_retry(j, why, res->timed_out ? -ETIMEDOUT : -EIO);
+		return;
+	case OUT_PERMANENT:
+		log_msg(LOG_WARN, SUBSYS, "%s", why);
+		job_end(j, -EINVAL);
+		return;
+	}
+	if (j->kind == JOB_QUERY) {
+		if ((rc = job_query_page(j, res)) < 0) {
+			job_end(j, rc);
+			return;
+		}
+		j->retries = 0;
+		if (j->start_key)
+			job_send(j);
+		else
+			job_end(j, 0);
+		return;
+	}
+	if (!j->describing) {
+		log_msg(LOG_INFO, SUBSYS, "table %s created; waiting until it is ACTIVE", s->table);
+		j->describing = true;
+		job_send(j);
+		return;
+	}
+	if (res->status == 200) {
+		json_t *doc = json_loadb(res->body, res->body_len, 0, NULL);
+		const char *status = json_string_value(
+		    json_object_get(json_object_get(doc, "Table"), "TableStatus"));
+		bool active = status && strcmp(status, "ACTIVE") == 0;
+		json_decref(doc);
+		if (active) {
+			job_end(j, j->exists ? -EEXIST : 0);
+			return;
+		}
+	}
+	if (uv_now(s->loop) >= j->deadline_ms) {
+		log_msg(LOG_WARN, SUBSYS, "table %s not ACTIVE after %d s", s->table,
+		        TABLE_WAIT_MS / 1000);
+		job_end(j, -ETIMEDOUT);
+		return;
+	}
+	uv_timer_start(&j->timer, on_job_timer, TABLE_POLL_MS, 0);
+}
+
+static void job_send(struct job *j)
+{
+	struct sink *s = j->s;
+	json_t *req = NULL;
+	char *body = NULL;
+	struct error err;
+	const char *op;
+	int rc;
+
+	if (j->kind == JOB_QUERY) {
+		op = "Query";
+		if (ddbitem_query_request(s->table, j->conv, j->start_key, &req, &err) != ERR_OK) {
+			log_msg(LOG_WARN, SUBSYS, "Query: %s", err.message);
+			job_end(j, -EINVAL);
+			return;
+		}
+	} else if (!j->describing) {
+		op = "CreateTable";
+		if (ddbitem_create_table_request(s->table, &req, &err) != ERR_OK) {
+			log_msg(LOG_WARN, SUBSYS, "CreateTable: %s", err.message);
+			job_end(j, -EINVAL);
+			return;
+		}
+	} else {
+		op = "DescribeTable";
+		req = json_pack("{s:s}", "TableName", s->table);
+	}
+	body = req ? json_dumps(req, JSON_COMPACT) : NULL;
+	json_decref(req);
+	if (!body) {
+		job_retry(j, "out of memory", -ENOMEM);
+		return;
+	}
+	rc = ddbclient_call(s->client, op, body, strlen(body), on_job_done, j);
+	free(body);
+	if (rc == 0) {
+		j->inflight = true;
+	} else if (rc == -EMSGSIZE || rc == -EINVAL || rc == -ESHUTDOWN) {
+		log_msg(LOG_WARN, SUBSYS, "%s cannot be sent: %s", op, strerror(-rc));
+		job_end(j, rc);
+	} else {
+		char why[96];
+		if (rc == -ENOKEY)
+			maybe_reload_credentials(s);
+		snprintf(why, sizeof(why), "%s: %s", op, strerror(-rc));
+		job_retry(j, why, rc);
+	}
+}
+
+static int job_start(struct sink *s, enum job_kind kind, struct job **out)
+{
+	struct job *j;
+
+	if (!s || !s->table)
+		return -ENOTSUP;
+	if (s->closing)
+		return -ESHUTDOWN;
+	j = calloc(1, sizeof(*j));
+	if (!j)
+		return -ENOMEM;
+	j->s = s;
+	j->kind = kind;
+	uv_timer_init(s->loop, &j->timer);
+	j->timer.data = j;
+	s->handles++;
+	j->next = s->jobs;
+	if (s->jobs)
+		s->jobs->prev = j;
+	s->jobs = j;
+	*out = j;
+	return 0;
+}
+
+int sink_query(struct sink *s, const char *conv, size_t conv_len, sink_query_cb cb, void *arg)
+{
+	struct job *j;
+	int rc;
+
+	if (!s || !cb || !conv || conv_len == 0 || conv_len > DDBITEM_PARTITION_KEY_MAX ||
+	    memchr(conv, '\0', conv_len))
+		return s && !s->table ? -ENOTSUP : -EINVAL;
+	if ((rc = job_start(s, JOB_QUERY, &j)) < 0)
+		return rc;
+	j->query_cb = cb;
+	j->arg = arg;
+	j->conv = strndup(conv, conv_len);
+	j->items = json_array();
+	if (!j->conv || !j->items) {
+		/* not started: end it without calling back */
+		j->ended = true;
+		if (j->prev)
+			j->prev->next = j->next;
+		else
+			s->jobs = j->next;
+		if (j->next)
+			j->next->prev = j->prev;
+		uv_close((uv_handle_t *)&j->timer, on_job_closed);
+		return -ENOMEM;
+	}
+	/* Sent from the timer so that cb never runs before this returns. */
+	uv_timer_start(&j->timer, on_job_timer, 0, 0);
+	return 0;
+}
+
+int sink_create_table(struct sink *s, void (*done)(void *arg, int status), void *arg)
+{
+	struct job *j;
+	int rc;
+
+	if (!s || !done)
+		return -EINVAL;
+	if ((rc = job_start(s, JOB_CREATE_TABLE, &j)) < 0)
+		return rc;
+	j->table_cb = done;
+	j->arg = arg;
+	j->deadline_ms = uv_now(s->loop) + TABLE_WAIT_MS;
+	uv_timer_start(&j->timer, on_job_timer, 0, 0);
+	return 0;
+}
+
+/* --- life ----------------------------------------------------------------------------- */
+
+int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg,
+             const struct awsconf *aws, sink_settled_cb settled, void *settled_arg,
+             struct sink **out)
+{
+	struct sink *s = NULL;
+	struct ddbclient_options o;
+	char endpoint[512], host[300], line[256];
+	uint64_t seed;
+	int rc;
+
+	*out = NULL;
+	if (!loop || !store || !cfg)
+		return -EINVAL;
+	if (cfg->table) {
+		if (!ddbitem_table_name_valid(cfg->table)) {
+			log_msg(LOG_ERROR, SUBSYS,
+			        "invalid DynamoDB table name (3 to 255 of A-Z a-z 0-9 _ . -)");
+			return -EINVAL;
+		}
+		if (cfg->batch_items < 1 || cfg->batch_items > DDBITEM_BATCH_MAX ||
+		    cfg->max_batches_inflight < 1 || cfg->retry_base_ms < 1 ||
+		    cfg->retry_max_ms < cfg->retry_base_ms) {
+			log_msg(LOG_ERROR, SUBSYS,
+			        "invalid sink settings: batch items 1..%d, at least one batch in "
+			        "flight, 0 < retry base <= retry max",
+			        DDBITEM_BATCH_MAX);
+			return -EINVAL;
+		}
+		if (!aws || awsconf_endpoint(aws, endpoint, sizeof(endpoint)) < 0 ||
+		    awsconf_host(aws, host, sizeof(host)) < 0) {
+			log_msg(LOG_ERROR, SUBSYS,
+			        "a DynamoDB table is set but no endpoint or region is configured "
+			        "(AWS_REGION, AWS_ENDPOINT_URL_DYNAMODB)");
+			return -EINVAL;
+		}
+	}
+	s = calloc(1, sizeof(*s));
+	if (!s)
+		return -ENOMEM;
+	s->loop = loop;
+	s->store = store;
+	s->cfg = *cfg;
+	s->cfg.table = NULL;
+	s->settled = settled;
+	s->settled_arg = settled_arg;
+	seed = uv_hrtime() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s;
+	s->hash_seed = hash_bytes(0xcbf29ce484222325ULL, &seed, sizeof(seed));
+	s->rng = s->hash_seed | 1;
+	rc = -ENOMEM;
+	if (ht_init(&s->convs) < 0 || ht_init(&s->entries) < 0)
+		goto fail;
+	if (cfg->table) {
+		if (!(s->table = strdup(cfg->table)))
+			goto fail;
+		ddbclient_options_defaults(&o);
+		o.endpoint_url = endpoint;
+		o.host = host;
+		o.region = awsconf_signing_region(aws);
+		o.connect_timeout_ms = cfg->connect_timeout_ms;
+		o.timeout_ms = cfg->request_timeout_ms;
+		o.max_host_connections = (long)cfg->max_batches_inflight + 2;
+		if ((rc = ddbclient_new(loop, &o, &s->client)) < 0) {
+			log_msg(LOG_ERROR, SUBSYS, "cannot start the DynamoDB client: %s",
+			        strerror(-rc));
+			goto fail;
+		}
+		if (awsconf_has_credentials(aws)) {
+			rc = ddbclient_set_credentials(s->client, aws->access_key_id,
+			                               aws->secret_access_key, aws->session_token);
+			if (rc < 0) {
+				log_msg(LOG_ERROR, SUBSYS, "the AWS credentials were refused: %s",
+				        strerror(-rc));
+				ddbclient_close(s->client, NULL, NULL);
+				s->client = NULL;
+				goto fail;
+			}
+		} else {
+			log_msg(LOG_ERROR, SUBSYS,
+			        "no AWS credentials found; writes wait in the spool until they "
+			        "appear");
+		}
+		log_msg(LOG_INFO, SUBSYS, "DynamoDB table %s: %s", s->table,
+		        awsconf_describe(aws, line, sizeof(line)));
+	}
+	uv_timer_init(loop, &s->timer);
+	uv_timer_init(loop, &s->close_timer);
+	s->timer.data = s;
+	s->close_timer.data = s;
+	s->handles = 2;
+	*out = s;
+	return 0;
+fail:
+	free(s->convs.b);
+	free(s->entries.b);
+	free(s->table);
+	free(s);
+	return rc;
+}
+
+/* Frees everything once the client and every handle are closed, then tells the owner. */
+static void maybe_freed(struct sink *s)
+{
+	void (*cb)(void *);
+	void *arg;
+
+	if (!s->finishing || !s->client_closed || s->handles > 0)
+		return;
+	for (size_t i = 0; i <= s->entries.mask; i++) {
+		struct hnode *h = s->entries.b[i], *next;
+		for (; h; h = next) {
+			next = h->next;
+			free(h);
+		}
+	}
+	for (size_t i = 0; i <= s->convs.mask; i++) {
+		struct hnode *h = s->convs.b[i], *next;
+		for (; h; h = next) {
+			next = h->next;
+			free(h);
+		}
+	}
+	free(s->entries.b);
+	free(s->convs.b);
+	free(s->heap);
+	free(s->table);
+	cb = s->on_closed;
+	arg = s->closed_arg;
+	free(s);
+	if (cb)
+		cb(arg);
+}
+
+static void on_handle_closed(uv_handle_t *h)
+{
+	struct sink *s = h->data;
+	s->handles--;
+	maybe_freed(s);
+}
+
+static void on_client_closed(void *arg)
+{
+	struct sink *s = arg;
+	s->client_closed = true;
+	maybe_freed(s);
+}
+
+/* The end of sink_close: cancels what is left and closes every handle. */
+static void on_close_timer(uv_timer_t *t)
+{
+	struct sink *s = t->data;
+
+	if (s->finishing)
+		return;
+	s->finishing = true;
+	if (s->depth > 0)
+		log_msg(LOG_WARN, SUBSYS,
+		        "stopping with %zu write%s not confirmed; they stay in the spool for the "
+		        "next start",
+		        s->depth, s->depth == 1 ? "" : "s");
+	uv_timer_stop(&s->timer);
+	/* In-flight calls, batches and jobs alike, end canceled inside ddbclient_close. */
+	if (s->client)
+		ddbclient_close(s->client, on_client_closed, s);
+	else
+		s->client_closed = true;
+	s->client = NULL;
+	while (s->jobs)
+		job_end(s->jobs, -ECANCELED); /* those waiting on their timer */
+	uv_close((uv_handle_t *)&s->timer, on_handle_closed);
+	uv_close((uv_handle_t *)&s->close_timer, on_handle_closed);
+}
+
+void sink_close(struct sink *s, uint64_t deadline_ms, void (*on_closed)(void *arg), void *arg)
+{
+	if (!s || s->closing)
+		return;
+	s->closing = true;
+	s->on_closed = on_closed;
+	s->closed_arg = arg;
+	if (!s->client || s->depth == 0 || deadline_ms == 0) {
+		uv_timer_start(&s->close_timer, on_close_timer, 0, 0);
+		return;
+	}
+	log_msg(LOG_INFO, SUBSYS,
+	        "stopping: sending the %zu pending write%s for up to %" PRIu64 " ms", s->depth,
+	        s->depth == 1 ? "" : "s", deadline_ms);
+	uv_timer_start(&s->close_timer, on_close_timer, deadline_ms, 0);
+	pump(s);
+}
