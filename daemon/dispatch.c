@@ -25,7 +25,7 @@ enum {
 };
 
 int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *store,
-		  struct sink *sink)
+                  struct sink *sink)
 {
 	uint8_t seed[48];
 	size_t got = 0;
@@ -300,13 +300,14 @@ static void fail_marked_answers(struct dispatch *d, const char *why)
 			if (m->end > out->len || m->start < pos)
 				continue; /* the connection went away */
 			buf_append(&fresh, out->data + pos, m->start - pos);
-			error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later", why);
+			error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later",
+			          why);
 			d->stats.errors_total++;
 			d->stats.errors_by_code[ERR_UNAVAILABLE]++;
 			{
 				/* The same envelope as answer_error, without counting a request. */
-				json_t *e = json_pack("{s:s, s:s}", "code", "unavailable", "message",
-						      err.message);
+				json_t *e = json_pack("{s:s, s:s}", "code", "unavailable",
+				                      "message", err.message);
 				buf_append(&fresh, "{", 1);
 				if (m->id) {
 					buf_append(&fresh, "\"id\":", 5);
@@ -325,6 +326,9 @@ static void fail_marked_answers(struct dispatch *d, const char *why)
 		*out = fresh;
 	}
 }
+
+static int spool_one(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
+                     int64_t enqueued_ms);
 
 void dispatch_commit(struct dispatch *d, bool force)
 {
@@ -364,10 +368,10 @@ void dispatch_commit(struct dispatch *d, bool force)
 	d->tx_error = 0;
 	if (rc < 0) {
 		const char *why = rc == -ENOSPC ? "the local store is full (disk full)"
-						: "the local store cannot be written";
+		                                : "the local store cannot be written";
 		if (!d->store_failing)
 			log_msg(LOG_ERROR, "store", "commit failed: %s (%s); answering unavailable",
-				why, strerror(-rc));
+			        why, strerror(-rc));
 		d->store_failing = true;
 		fail_marked_answers(d, why);
 		marks_clear(d);
@@ -382,9 +386,15 @@ void dispatch_commit(struct dispatch *d, bool force)
 	for (size_t i = 0; i < d->nspooled; i++) {
 		struct spool_entry *e = &d->spooled[i];
 		if (sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version, e->at_ms) < 0)
-			log_msg(LOG_ERROR, "sink", "out of memory queueing a write; it stays in the spool");
+			log_msg(LOG_ERROR, "sink",
+			        "out of memory queueing a write; it stays in the spool");
 	}
 	spooled_clear(d);
+	if (d->requeue_spool) {
+		d->requeue_spool = false;
+		if (store_spool_each(d->store, spool_one, d) < 0)
+			log_msg(LOG_ERROR, "store", "cannot read the spool back after a retry");
+	}
 	for (c = d->store_dirty, d->store_dirty = NULL; c; c = next) {
 		next = c->daemon_next_store;
 		c->daemon_next_store = NULL;
@@ -401,8 +411,7 @@ bool dispatch_pending_commit(const struct dispatch *d)
 {
 	if (d->changed || d->tx_error)
 		return true;
-	return d->store && d->cfg->durability != DURABILITY_NONE &&
-	       store_in_transaction(d->store);
+	return d->store && d->cfg->durability != DURABILITY_NONE && store_in_transaction(d->store);
 }
 
 void dispatch_settled(void *arg, const char *conv, size_t conv_len)
@@ -430,8 +439,8 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 		int64_t before = now - (int64_t)d->cfg->closed_retention_days * 86400000;
 		if (ensure_tx(d) == 0 && store_purge_closed(d->store, before, &removed) == 0 &&
 		    removed)
-			log_msg(LOG_INFO, "store", "removed %zu closed conversations past retention",
-				removed);
+			log_msg(LOG_INFO, "store",
+			        "removed %zu closed conversations past retention", removed);
 		d->changed = true;
 	}
 	dispatch_commit(d, true);
@@ -450,8 +459,8 @@ static int restore_one(void *arg, struct convo *c)
 	return 0;
 }
 
-static int spool_one(void *arg, const char *conv, size_t conv_len, const char *sk,
-		     uint32_t version, int64_t enqueued_ms)
+static int spool_one(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
+                     int64_t enqueued_ms)
 {
 	struct dispatch *d = arg;
 	return sink_enqueue(d->sink, conv, conv_len, sk, version, enqueued_ms);
@@ -474,23 +483,24 @@ int dispatch_restore(struct dispatch *d)
 		if (d->remote) {
 			rc = store_spool_each(d->store, spool_one, d);
 			if (rc < 0) {
-				log_msg(LOG_ERROR, "store", "cannot read the spool: %s", strerror(-rc));
+				log_msg(LOG_ERROR, "store", "cannot read the spool: %s",
+				        strerror(-rc));
 				return rc;
 			}
 		} else {
 			log_msg(LOG_WARN, "store",
-				"%llu spool rows wait for DynamoDB, which is not configured now",
-				(unsigned long long)items);
+			        "%llu spool rows wait for DynamoDB, which is not configured now",
+			        (unsigned long long)items);
 		}
 	}
-	log_msg(LOG_INFO, "store", "restored %zu conversations; %llu writes pending",
-		d->reg.count, (unsigned long long)items);
+	log_msg(LOG_INFO, "store", "restored %zu conversations; %llu writes pending", d->reg.count,
+	        (unsigned long long)items);
 	return 0;
 }
 
 /* Records an ok answer at out[start..] that the commit must confirm. */
 static void mark_answer(struct dispatch *d, struct buf *out, size_t start, const json_t *id,
-			enum op op)
+                        enum op op)
 {
 	if (!d->store || d->cfg->durability == DURABILITY_NONE)
 		return;
@@ -514,10 +524,10 @@ static void mark_answer(struct dispatch *d, struct buf *out, size_t start, const
 
 /* Writes {"id":ID,"ok":false,"error":{...}}; id may be NULL (left out). */
 static void answer_error(struct dispatch *d, struct buf *out, const json_t *id, enum op op,
-			 const struct error *err)
+                         const struct error *err)
 {
 	json_t *e = json_pack("{s:{s:s, s:s}}", "error", "code", error_code_str(err->code),
-			      "message", err->message);
+	                      "message", err->message);
 	size_t mark = out->len;
 
 	stats_request(&d->stats, op, err->code);
@@ -526,7 +536,7 @@ static void answer_error(struct dispatch *d, struct buf *out, const json_t *id, 
 	if (buf_append(out, "{", 1) < 0)
 		goto oom;
 	if (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
-		   buf_append(out, ",", 1) < 0))
+	           buf_append(out, ",", 1) < 0))
 		goto oom;
 	if (buf_append(out, "\"ok\":false,", 11) < 0)
 		goto oom;
@@ -546,15 +556,15 @@ oom:
 	json_decref(e);
 	out->len = mark;
 	{
-		static const char fixed[] =
-			"{\"ok\":false,\"error\":{\"code\":\"internal\",\"message\":\"out of memory\"}}\n";
+		static const char fixed[] = "{\"ok\":false,\"error\":{\"code\":\"internal\","
+		                            "\"message\":\"out of memory\"}}\n";
 		buf_append(out, fixed, sizeof(fixed) - 1);
 	}
 }
 
 /* Writes {"id":ID,"ok":true,"result":RESULT}; takes the reference to result. */
 static void answer_ok(struct dispatch *d, struct buf *out, const json_t *id, enum op op,
-		      json_t *result)
+                      json_t *result)
 {
 	size_t mark = out->len;
 	struct error err;
@@ -564,10 +574,10 @@ static void answer_ok(struct dispatch *d, struct buf *out, const json_t *id, enu
 	if (buf_append(out, "{", 1) < 0)
 		goto oom;
 	if (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
-		   buf_append(out, ",", 1) < 0))
+	           buf_append(out, ",", 1) < 0))
 		goto oom;
-	if (buf_append(out, "\"ok\":true,\"result\":", 19) < 0 || buf_append_json(out, result) < 0 ||
-	    buf_append(out, "}\n", 2) < 0)
+	if (buf_append(out, "\"ok\":true,\"result\":", 19) < 0 ||
+	    buf_append_json(out, result) < 0 || buf_append(out, "}\n", 2) < 0)
 		goto oom;
 	json_decref(result);
 	stats_request(&d->stats, op, ERR_OK);
@@ -583,7 +593,7 @@ void dispatch_too_large_line(struct dispatch *d, struct buf *out)
 {
 	struct error err;
 	error_set(&err, ERR_TOO_LARGE, "request line longer than %zu bytes; discarded",
-		  d->cfg->max_line_bytes);
+	          d->cfg->max_line_bytes);
 	answer_error(d, out, NULL, OP_UNKNOWN, &err);
 }
 
@@ -597,8 +607,8 @@ static bool is_blank(const char *p, size_t n)
 
 /* The conversation id: 1..max bytes, no C0/C1 control characters or DEL. */
 static enum error_code check_conversation(const struct dispatch *d, const json_t *req,
-					  bool required, const char **id, size_t *len,
-					  struct error *err)
+                                          bool required, const char **id, size_t *len,
+                                          struct error *err)
 {
 	const json_t *v = json_object_get(req, "conversation");
 	const unsigned char *s;
@@ -617,14 +627,14 @@ static enum error_code check_conversation(const struct dispatch *d, const json_t
 	n = json_string_length(v);
 	if (n > d->cfg->max_conversation_id_bytes)
 		return error_set(err, ERR_TOO_LARGE, "conversation: longer than %zu bytes",
-				 d->cfg->max_conversation_id_bytes);
+		                 d->cfg->max_conversation_id_bytes);
 	if (n == 0)
 		return error_set(err, ERR_BAD_REQUEST, "conversation: expected 1 to %zu bytes",
-				 d->cfg->max_conversation_id_bytes);
+		                 d->cfg->max_conversation_id_bytes);
 	for (size_t i = 0; i < n; i++) {
 		if (s[i] < 0x20 || s[i] == 0x7f || (s[i] == 0xc2 && i + 1 < n && s[i + 1] < 0xa0))
 			return error_set(err, ERR_BAD_REQUEST,
-					 "conversation: control characters are not allowed");
+			                 "conversation: control characters are not allowed");
 	}
 	*id = (const char *)s;
 	*len = n;
@@ -685,9 +695,9 @@ static json_t *list_result(struct dispatch *d)
 	}
 	for (size_t i = 0; i < ctx.n; i++) {
 		struct convo *c = ctx.v[i];
-		json_t *item = json_pack("{s:s%, s:I, s:I}", "conversation", c->id, c->id_len,
-					 "messages", (json_int_t)c->nlog, "updated",
-					 (json_int_t)c->updated_ms);
+		json_t *item =
+		    json_pack("{s:s%, s:I, s:I}", "conversation", c->id, c->id_len, "messages",
+		              (json_int_t)c->nlog, "updated", (json_int_t)c->updated_ms);
 		if (!item || json_array_append_new(arr, item) < 0)
 			goto out;
 	}
@@ -748,7 +758,8 @@ static struct convo *convo_from_items(const char *conv, size_t len, const json_t
 
 	if (!c)
 		return NULL;
-	json_array_foreach(items, i, item) {
+	json_array_foreach(items, i, item)
+	{
 		json_t *map = NULL;
 		uint32_t version = 0;
 		int64_t updated = 0;
@@ -772,7 +783,7 @@ static struct convo *convo_from_items(const char *conv, size_t len, const json_t
 	return c;
 bad:
 	log_msg(LOG_ERROR, "sink", "conversation %.*s from DynamoDB is not valid: %s",
-		(int)(len > 64 ? 64 : len), conv, err.message);
+	        (int)(len > 64 ? 64 : len), conv, err.message);
 	convo_free(c);
 	return NULL;
 }
@@ -786,9 +797,9 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 	if (status < 0) {
 		outcome = DISPATCH_REMOTE_FAILED;
 		log_msg(LOG_WARN, "sink", "cannot look up conversation %.*s in DynamoDB: %s",
-			(int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, strerror(-status));
+		        (int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, strerror(-status));
 	} else if (items && json_array_size(items) > 0 &&
-		   !registry_get(&d->reg, r->conv, r->conv_len)) {
+	           !registry_get(&d->reg, r->conv, r->conv_len)) {
 		struct convo *c = convo_from_items(r->conv, r->conv_len, items);
 		if (!c) {
 			outcome = DISPATCH_REMOTE_FAILED;
@@ -797,7 +808,7 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 			outcome = DISPATCH_REMOTE_FAILED;
 		} else {
 			log_msg(LOG_INFO, "sink", "restored %.*s from DynamoDB (%zu messages)",
-				(int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, c->nlog);
+			        (int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, c->nlog);
 			mark_store_dirty(d, c);
 		}
 	}
@@ -847,8 +858,66 @@ static int restore_start(struct dispatch *d, const char *conv, size_t len, void 
 	return 0;
 }
 
+/* create_table waits like a restore, under a key no conversation id can be (ids hold no
+ * control characters). */
+static const char table_wait_key[] = "\001create_table";
+
+static void on_table_created(void *arg, int status)
+{
+	struct restore_wait *r = arg, **pp;
+	struct dispatch *d = r->d;
+	enum dispatch_remote outcome =
+	    status == 0 || status == -EEXIST ? DISPATCH_REMOTE_ABSENT : DISPATCH_REMOTE_FAILED;
+
+	if (outcome == DISPATCH_REMOTE_FAILED)
+		log_msg(LOG_ERROR, "sink", "cannot create table %s: %s", d->cfg->dynamodb_table,
+		        strerror(-status));
+	for (pp = &d->restores; *pp; pp = &(*pp)->next)
+		if (*pp == r) {
+			*pp = r->next;
+			break;
+		}
+	for (size_t i = 0; i < r->nwaiters; i++)
+		if (r->waiters[i] && d->on_ready)
+			d->on_ready(r->waiters[i], outcome);
+	free(r->waiters);
+	free(r->conv);
+	free(r);
+}
+
+static int table_create_start(struct dispatch *d, void *waiter)
+{
+	size_t len = sizeof(table_wait_key) - 1;
+	struct restore_wait *r = restore_find(d, table_wait_key, len);
+	int rc;
+
+	if (r)
+		return restore_add_waiter(r, waiter);
+	r = calloc(1, sizeof(*r));
+	if (!r)
+		return -ENOMEM;
+	r->d = d;
+	r->conv = strdup(table_wait_key);
+	if (!r->conv || restore_add_waiter(r, waiter) < 0) {
+		free(r->conv);
+		free(r);
+		return -ENOMEM;
+	}
+	r->conv_len = len;
+	rc = sink_create_table(d->sink, on_table_created, r);
+	if (rc < 0) {
+		free(r->waiters);
+		free(r->conv);
+		free(r);
+		return rc;
+	}
+	r->next = d->restores;
+	d->restores = r;
+	return 0;
+}
+
 enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
-				   struct buf *out, void *waiter, enum dispatch_remote remote)
+                                   struct buf *out, void *waiter, enum dispatch_remote remote)
 {
 	json_t *req = NULL, *result = NULL;
 	const json_t *id = NULL, *opv;
@@ -867,7 +936,7 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 	req = json_loadb(line, len, JSON_ALLOW_NUL, &jerr);
 	if (!req) {
 		error_set(&err, ERR_PARSE_ERROR, "invalid JSON at column %d: %s", jerr.column,
-			  jerr.text);
+		          jerr.text);
 		goto fail;
 	}
 	if (!json_is_object(req)) {
@@ -889,7 +958,7 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 	}
 	if (op == OP_UNKNOWN) {
 		error_set(&err, ERR_UNKNOWN_OP, "op: no such operation '%s'",
-			  json_string_value(opv));
+		          json_string_value(opv));
 		goto fail;
 	}
 	code2 = ops_check(op, req, &err2);
@@ -901,9 +970,93 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 		goto fail;
 
 	switch (op) {
+	case OP_STATS: {
+		const json_t *f = json_object_get(req, "format");
+		if (f &&
+		    (!json_is_string(f) || (strcmp(json_string_value(f), "json") != 0 &&
+		                            strcmp(json_string_value(f), "prometheus") != 0))) {
+			error_set(&err, ERR_BAD_REQUEST,
+			          "format: expected \"json\" or \"prometheus\"");
+			goto fail;
+		}
+		break;
+	}
+	case OP_DEAD_LETTERS: {
+		const json_t *l = json_object_get(req, "limit");
+		if (l && (!json_is_integer(l) || json_integer_value(l) < 1 ||
+		          json_integer_value(l) > 100000)) {
+			error_set(&err, ERR_BAD_REQUEST,
+			          "limit: expected an integer from 1 to 100000");
+			goto fail;
+		}
+		break;
+	}
+	default:
+		break;
+	}
+
+	switch (op) {
+	case OP_DEAD_LETTERS: {
+		const json_t *l = json_object_get(req, "limit");
+		json_t *list = NULL;
+		if (!d->store) {
+			result = json_pack("{s:[]}", "dead_letters");
+			goto ok;
+		}
+		if (store_dead_letters(d->store, l ? (size_t)json_integer_value(l) : 100, &list) <
+		    0) {
+			error_set(&err, ERR_UNAVAILABLE,
+			          "the local store cannot be read; retry later");
+			goto fail;
+		}
+		result = json_pack("{s:o}", "dead_letters", list);
+		goto ok;
+	}
+	case OP_RETRY_DEAD_LETTERS: {
+		size_t n = 0;
+		if (d->store) {
+			int rc = ensure_tx(d);
+			if (rc == 0)
+				rc = store_dead_letters_retry(d->store, dispatch_now_ms(), &n);
+			if (rc < 0) {
+				error_set(&err, ERR_UNAVAILABLE,
+				          "the local store cannot be written; retry later");
+				goto fail;
+			}
+			if (n && d->remote) {
+				/* The rows are back in the spool: hand them to the sink after the
+				 * commit. */
+				d->requeue_spool = true;
+			}
+			d->changed = true;
+		}
+		result = json_pack("{s:I}", "retried", (json_int_t)n);
+		goto ok_commit;
+	}
+	case OP_CREATE_TABLE:
+		if (!d->remote) {
+			error_set(&err, ERR_BAD_REQUEST,
+			          "op: create_table needs DynamoDB configured (AWS_REGION or an "
+			          "endpoint)");
+			goto fail;
+		}
+		if (remote == DISPATCH_REMOTE_CHECK) {
+			if (waiter && table_create_start(d, waiter) == 0) {
+				json_decref(req);
+				return DISPATCH_WAIT;
+			}
+			remote = DISPATCH_REMOTE_FAILED;
+		}
+		if (remote == DISPATCH_REMOTE_FAILED) {
+			error_set(&err, ERR_UNAVAILABLE,
+			          "the table could not be created; see the log");
+			goto fail;
+		}
+		result = json_pack("{s:s, s:b}", "table", d->cfg->dynamodb_table, "ready", 1);
+		goto ok;
 	case OP_PING:
 		result = json_pack("{s:b, s:s, s:i}", "pong", 1, "version", CONVOD_VERSION,
-				   "protocol", 1);
+		                   "protocol", 1);
 		goto ok;
 	case OP_STATS:
 		d->stats.conversations = d->reg.count;
@@ -913,6 +1066,17 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 		if (result && d->sink) {
 			json_object_set_new(result, "spool", sink_stats_spool(d->sink));
 			json_object_set_new(result, "sink", sink_stats_sink(d->sink));
+		}
+		{
+			const json_t *f = json_object_get(req, "format");
+			if (result && f && strcmp(json_string_value(f), "prometheus") == 0) {
+				char *text = stats_prometheus(result);
+				json_decref(result);
+				result = text ? json_pack("{s:s, s:s}", "format", "prometheus",
+				                          "text", text)
+				              : NULL;
+				free(text);
+			}
 		}
 		goto ok;
 	case OP_LIST:
@@ -937,9 +1101,10 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 			loaded_from_store(d, c);
 			if (d->reg.count >= d->cfg->max_conversations) {
 				convo_free(c);
-				error_set(&err, ERR_UNAVAILABLE,
-					  "too many conversations in memory (limit %zu); retry later",
-					  d->cfg->max_conversations);
+				error_set(
+				    &err, ERR_UNAVAILABLE,
+				    "too many conversations in memory (limit %zu); retry later",
+				    d->cfg->max_conversations);
 				goto fail;
 			}
 			if (registry_put(&d->reg, c) < 0) {
@@ -951,8 +1116,9 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 				mark_sink_dirty(d, c);
 		} else if (rc != -ENOENT) {
 			c = NULL;
-			error_set(&err, ERR_UNAVAILABLE, "conversation: cannot be read from the local "
-							 "store; retry later");
+			error_set(&err, ERR_UNAVAILABLE,
+			          "conversation: cannot be read from the local "
+			          "store; retry later");
 			goto fail;
 		} else {
 			c = NULL;
@@ -970,7 +1136,7 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 		/* It may exist in DynamoDB: not_found would be a guess. A new conversation is
 		 * created all the same (availability first; see proto/protocol.md). */
 		error_set(&err, ERR_UNAVAILABLE,
-			  "conversation: cannot be looked up in DynamoDB now; retry later");
+		          "conversation: cannot be looked up in DynamoDB now; retry later");
 		goto fail;
 	}
 	if (c && (c->daemon_flags & FLAG_CLOSING) && op != OP_CLOSE) {
@@ -981,13 +1147,13 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 	if (!c) {
 		if (!ops_creates(op)) {
 			error_set(&err, ERR_NOT_FOUND, "conversation: no conversation '%.*s'",
-				  (int)(cid_len > 64 ? 64 : cid_len), cid);
+			          (int)(cid_len > 64 ? 64 : cid_len), cid);
 			goto fail;
 		}
 		if (d->reg.count >= d->cfg->max_conversations) {
 			error_set(&err, ERR_UNAVAILABLE,
-				  "too many conversations in memory (limit %zu); retry later",
-				  d->cfg->max_conversations);
+			          "too many conversations in memory (limit %zu); retry later",
+			          d->cfg->max_conversations);
 			goto fail;
 		}
 		c = convo_new(cid, cid_len);
@@ -1008,7 +1174,7 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 				int rc = ensure_tx(d);
 				if (rc == 0)
 					rc = store_set_closed(d->store, c->id, c->id_len,
-							      dispatch_now_ms());
+					                      dispatch_now_ms());
 				if (rc < 0 && !d->tx_error)
 					d->tx_error = rc;
 				c->daemon_flags |= FLAG_CLOSING;
@@ -1023,8 +1189,8 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 
 	if (d->sink && ops_mutates(op) && sink_full(d->sink)) {
 		error_set(&err, ERR_UNAVAILABLE,
-			  "the spool holds %zu unsent writes (limit %zu); retry later",
-			  sink_depth(d->sink), d->cfg->spool_max_items);
+		          "the spool holds %zu unsent writes (limit %zu); retry later",
+		          sink_depth(d->sink), d->cfg->spool_max_items);
 		if (created)
 			convo_free(c);
 		goto fail;

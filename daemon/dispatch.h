@@ -73,7 +73,8 @@ struct dispatch {
 	struct spool_entry *spooled;
 	size_t nspooled, capspooled;
 	bool store_failing;       /* the last commit failed (logged once until it recovers) */
-	struct restore_wait *restores; /* restores from DynamoDB in progress */
+	struct restore_wait *restores; /* restores from DynamoDB (and create_table) in progress */
+	bool requeue_spool;       /* dead letters went back to the spool: re-read it after commit */
 	dispatch_ready_cb on_ready;
 };
 

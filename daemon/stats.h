@@ -28,4 +28,9 @@ void stats_request(struct stats *s, enum op op, enum error_code code);
 /* The `stats` result object (see proto/protocol.md for the names). New reference. */
 json_t *stats_to_json(const struct stats *s, uint64_t now_ms);
 
+/* The stats object (as built for the `stats` op, spool and sink included) in Prometheus'
+ * text exposition format, metric names prefixed "convod_". Newly allocated (free()), NULL
+ * on ENOMEM. */
+char *stats_prometheus(const json_t *stats);
+
 #endif

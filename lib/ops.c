@@ -24,6 +24,9 @@ static const char *const op_names[OP_COUNT] = {
     [OP_LIST] = "list",
     [OP_STATS] = "stats",
     [OP_PING] = "ping",
+    [OP_DEAD_LETTERS] = "dead_letters",
+    [OP_RETRY_DEAD_LETTERS] = "retry_dead_letters",
+    [OP_CREATE_TABLE] = "create_table",
 };
 
 enum op ops_lookup(const char *s)

@@ -181,8 +181,13 @@ static void test_table(void)
 	    "list",
 	    "stats",
 	    "ping",
+	    "dead_letters",
+	    "retry_dead_letters",
+	    "create_table",
 	};
-	for (int op = OP_ADD_USER; op < OP_COUNT; op++) {
+	CHECK(sizeof(names) / sizeof(names[0]) == OP_COUNT - 1);
+	for (int op = OP_ADD_USER; op < OP_COUNT && op - 1 < (int)(sizeof(names) / sizeof(names[0]));
+	     op++) {
 		CHECK_STR(ops_name((enum op)op), names[op - 1]);
 		CHECK((int)ops_lookup(names[op - 1]) == op);
 	}
