@@ -22,6 +22,7 @@ enum {
 	FLAG_STORE_DIRTY = 1u << 0, /* on d->store_dirty */
 	FLAG_SINK_DIRTY = 1u << 1,  /* on d->sink_dirty */
 	FLAG_CLOSING = 1u << 2,     /* closed: dropped from memory once the sink confirmed all */
+	FLAG_FROM_REMOTE = 1u << 3, /* restored from DynamoDB: stored as confirmed there */
 };
 
 int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *store,
@@ -164,6 +165,14 @@ static void store_take_cb(void *arg, const struct message *m, size_t index)
 	if (t->d->tx_error)
 		return;
 	rc = store_put_message(t->d->store, t->c->id, t->c->id_len, m);
+	if (rc == 0 && (t->c->daemon_flags & FLAG_FROM_REMOTE) &&
+	    m->seen[CONSUMER_SINK] == m->version) {
+		/* DynamoDB already holds this version: record it as confirmed, so a restart
+		 * does not send it again. */
+		char sk[2 * ULID_LEN + 2];
+		message_sk(m, sk, sizeof(sk));
+		rc = store_spool_done(t->d->store, t->c->id, t->c->id_len, sk, m->version);
+	}
 	if (rc < 0)
 		t->d->tx_error = rc;
 }
@@ -398,7 +407,7 @@ void dispatch_commit(struct dispatch *d, bool force)
 	for (c = d->store_dirty, d->store_dirty = NULL; c; c = next) {
 		next = c->daemon_next_store;
 		c->daemon_next_store = NULL;
-		c->daemon_flags &= ~(unsigned int)FLAG_STORE_DIRTY;
+		c->daemon_flags &= ~(unsigned int)(FLAG_STORE_DIRTY | FLAG_FROM_REMOTE);
 		if ((c->daemon_flags & FLAG_CLOSING) &&
 		    (!d->remote || sink_pending(d->sink, c->id, c->id_len) == 0))
 			drop_conversation(d, c);
@@ -809,6 +818,7 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 		} else {
 			log_msg(LOG_INFO, "sink", "restored %.*s from DynamoDB (%zu messages)",
 			        (int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, c->nlog);
+			c->daemon_flags |= FLAG_FROM_REMOTE;
 			mark_store_dirty(d, c);
 		}
 	}

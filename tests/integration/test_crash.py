@@ -1,0 +1,221 @@
+"""kill -9 of convod at a random moment while clients add messages (shared/spec/persistence.md,
+promises 1 and 5): after a restart on the same state directory every acknowledged message is
+there at once, merges included, the conversations carry on, and with DynamoDB configured the
+table ends up holding exactly what the daemon holds.
+
+One writer thread per conversation adds user/assistant messages (a merge now and then, an
+assistant-first start with its fake user message) and records every acknowledged answer.
+The daemon is killed after a random delay, three rounds per test. The random seed is fixed
+(CONVOD_CRASH_SEED overrides it) and printed, so a failure can be replayed.
+
+Durability `process` and `machine` must keep everything acknowledged; `none` may lose up to a
+flush interval, so there only a prefix of what was acknowledged is required.
+"""
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import Conn
+from test_persistence import (FAST, ddb_env, full_log, table_matches_daemon, wait_drained)
+
+SEED = int(os.environ.get("CONVOD_CRASH_SEED", "424242"))
+ROUNDS = 3
+NCONVS = 3
+MAX_ADDS = 300  # per writer and round: keeps the DynamoDB variant's table small
+
+
+class Writer(threading.Thread):
+    """Adds messages to one conversation until the connection dies or MAX_ADDS."""
+
+    def __init__(self, sock, conv, rng, last_role, tag):
+        super().__init__(daemon=True)
+        self.sock, self.conv, self.rng, self.last_role, self.tag = sock, conv, rng, last_role, tag
+        self.acked = []  # (role, text, message id, merged)
+        self.inflight = None  # (role, text) sent but not answered when the connection died
+        self.refused = []
+
+    def run(self):
+        try:
+            c = Conn(self.sock, timeout=10)
+        except OSError:
+            return
+        try:
+            for i in range(MAX_ADDS):
+                if self.last_role is None:
+                    role = self.rng.choice(["user", "assistant"])
+                elif self.rng.random() < 0.25:
+                    role = self.last_role  # a merge
+                else:
+                    role = "user" if self.last_role == "assistant" else "assistant"
+                text = "%s %s #%d %s \u00e9" % (self.conv, self.tag, i, role)
+                self.inflight = (role, text)
+                try:
+                    r = c.request({"op": "add_message", "conversation": self.conv,
+                                   "role": role, "contents": text})
+                except (OSError, EOFError, ValueError):
+                    return
+                if not r.get("ok"):
+                    self.refused.append(r)
+                    return
+                res = r["result"]
+                if res["merged"] != (role == self.last_role):
+                    self.refused.append(("merged should be %s" % (role == self.last_role), r))
+                self.acked.append((role, text, res["message"]["id"], res["merged"]))
+                self.inflight = None
+                self.last_role = role
+                time.sleep(0.002)
+        finally:
+            c.close()
+
+
+def kill9(d):
+    for c in d.conns:
+        c.close()
+    d.conns = []
+    os.kill(d.proc.pid, signal.SIGKILL)
+    d.proc.wait()
+    d.stderr.close()
+    assert d.proc.returncode == -signal.SIGKILL
+
+
+def flat_log(maps):
+    """(role, text) of every content string of the log, fake messages left out, and where
+    each text is (text -> message id)."""
+    seq, where = [], {}
+    for m in maps:
+        for s in m["message"]["contents"]:
+            where[s] = m["id"]
+            if "fake" not in m["metadata"].get("attribute", []):
+                seq.append((m["message"]["role"], s))
+    return seq, where
+
+
+def check_log_shape(conv, maps):
+    """No summaries here, so the whole log alternates and a fake only starts it."""
+    roles = [m["message"]["role"] for m in maps]
+    assert roles and roles[0] == "user", (conv, roles)
+    assert all(a != b for a, b in zip(roles, roles[1:])), (conv, roles)
+    for i, m in enumerate(maps):
+        attrs = m["metadata"].get("attribute", [])
+        if "fake" in attrs:
+            assert i == 0 and m["message"]["contents"] == ["..."], (conv, i, m)
+        assert attrs.count("merged") == len(m["message"]["contents"]) - 1, (conv, m)
+    ids = [m["id"] for m in maps]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+def carry_on(c, conv, maps):
+    """A new add works after the restart and alternation holds: the same role as the last
+    message merges into it, the other role makes a new message. Returns the (role, text)
+    added."""
+    last = maps[-1]
+    role = last["message"]["role"]
+    other = "user" if role == "assistant" else "assistant"
+    r = c.ok({"op": "add_message", "conversation": conv, "role": role,
+              "contents": "%s carry-on merge" % conv})
+    assert r["merged"] and r["message"]["id"] == last["id"], r
+    r2 = c.ok({"op": "add_message", "conversation": conv, "role": other,
+               "contents": "%s carry-on new" % conv})
+    assert not r2["merged"] and r2["message"]["id"] > last["id"], r2
+    after = full_log(c, conv)
+    assert after[:-2] == maps[:-1] and after[-1]["id"] == r2["message"]["id"]
+    check_log_shape(conv, after)
+    return [(role, "%s carry-on merge" % conv), (other, "%s carry-on new" % conv)]
+
+
+def crash_rounds(d, durability, rng, after_restart=None):
+    """Runs ROUNDS of write / kill -9 / restart / verify on daemon d (started)."""
+    convs = ["crash-%s-%d" % (durability, k) for k in range(NCONVS)]
+    history = {conv: [] for conv in convs}  # (role, text) the store must hold, in order
+    last_role = {conv: None for conv in convs}
+    for rnd in range(ROUNDS):
+        writers = [Writer(d.socket, conv, random.Random(rng.random()), last_role[conv],
+                          "r%d" % rnd) for conv in convs]
+        delay = rng.uniform(0.05, 0.4)
+        print("round %d: kill -9 after %.3f s" % (rnd, delay))
+        for w in writers:
+            w.start()
+        time.sleep(delay)
+        kill9(d)
+        for w in writers:
+            w.join(15)
+            assert not w.is_alive(), "a writer is stuck"
+            assert not w.refused, w.refused
+        acked_total = sum(len(w.acked) for w in writers)
+        print("round %d: %d adds acknowledged" % (rnd, acked_total))
+        assert acked_total > 0, "nothing was acknowledged before the kill"
+
+        d.start()
+        c = d.connect()
+        for w in writers:
+            conv = w.conv
+            maps = full_log(c, conv)
+            seq, where = flat_log(maps)
+            want = history[conv] + [(role, text) for role, text, _, _ in w.acked]
+            if durability == "none":
+                # Up to a flush interval may be lost: what is left is a prefix.
+                assert seq == (want + [w.inflight] if w.inflight else want)[:len(seq)], (
+                    conv, len(seq), len(want))
+            else:
+                # Everything acknowledged, plus possibly the request in flight at the kill
+                # (committed, answer not read).
+                assert seq in (want, want + [w.inflight] if w.inflight else want), (
+                    "%s: %d strings in the log, %d acknowledged; first difference at %s" % (
+                        conv, len(seq), len(want),
+                        next((i for i, (a, b) in enumerate(zip(seq, want)) if a != b),
+                             min(len(seq), len(want)))))
+            print("  %s: %d acknowledged in all, %d in the log after restart%s" % (
+                conv, len(want), len(seq),
+                " (incl. the one in flight)" if w.inflight and len(seq) > len(want) else ""))
+            kept = set(s for _, s in seq)
+            for role, text, mid, merged in w.acked:
+                if text in kept:
+                    assert where[text] == mid, (conv, text, mid, where[text])
+            if maps:
+                check_log_shape(conv, maps)
+            history[conv] = seq
+            if maps:
+                history[conv] = seq + carry_on(c, conv, maps)
+                last_role[conv] = full_log(c, conv)[-1]["message"]["role"]
+            else:
+                last_role[conv] = None
+        if after_restart:
+            after_restart(c, [conv for conv in convs if history[conv]])
+        d.conns.remove(c)
+        c.close()
+    return convs
+
+
+@pytest.mark.parametrize("durability", ["process", "machine"])
+def test_kill9_local_store(durability, daemon_factory):
+    print("crash seed %d (CONVOD_CRASH_SEED)" % SEED)
+    rng = random.Random(SEED)
+    d = daemon_factory(["--durability", durability] + FAST)
+    crash_rounds(d, durability, rng)
+    assert d.stop() == 0, d.log()
+
+
+def test_kill9_durability_none(daemon_factory):
+    print("crash seed %d (CONVOD_CRASH_SEED)" % SEED)
+    rng = random.Random(SEED + 1)
+    d = daemon_factory(["--durability", "none"] + FAST)
+    crash_rounds(d, "none", rng)
+    assert d.stop() == 0, d.log()
+
+
+def test_kill9_dynamodb(dynalite, ddb_table, daemon_factory):
+    print("crash seed %d (CONVOD_CRASH_SEED)" % SEED)
+    rng = random.Random(SEED + 2)
+    d = daemon_factory(["--dynamodb-table", ddb_table] + FAST, env=ddb_env(dynalite))
+
+    def in_dynamodb(c, convs):
+        c.ok({"op": "flush"})
+        wait_drained(c, timeout=60)
+        table_matches_daemon(dynalite, ddb_table, c, convs, timeout=30)
+
+    crash_rounds(d, "process", rng, after_restart=in_dynamodb)
+    assert d.stop() == 0, d.log()
