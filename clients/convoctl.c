@@ -1,10 +1,12 @@
 /* convoctl: the command-line client of convod. Turns one command into one request of the wire
- * protocol (or forwards raw request lines from stdin, pipelined) and prints the answers. It
- * speaks protocol.md only and shares no code with the daemon. */
+ * protocol (or forwards raw request lines from stdin, pipelined; or, for follow, repeats one
+ * request on a timer) and prints the answers. It speaks protocol.md only and shares no code
+ * with the daemon. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -15,6 +17,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -25,6 +28,11 @@
 
 #define DEFAULT_SOCKET "/run/convod/convod.sock"
 #define DEFAULT_TIMEOUT_MS 30000
+/* create-table: the daemon waits up to a minute for the table to become ACTIVE. */
+#define CREATE_TABLE_TIMEOUT_MS 120000
+/* follow: the default pause between two polls, and the longest one allowed. */
+#define DEFAULT_INTERVAL_MS 500
+#define MAX_INTERVAL_MS 86400000LL
 /* A response line longer than this is refused rather than buffered without bound. */
 #define MAX_RESPONSE_BYTES ((size_t)1 << 30)
 /* Reading stdin pauses while this much is waiting to be sent. */
@@ -45,6 +53,8 @@ enum opt_group {
 	G_IDS = 1u << 2,
 	G_MAP = 1u << 3,
 	G_META = 1u << 4,
+	G_LIMIT = 1u << 5,
+	G_FOLLOW = 1u << 6,
 };
 
 enum opt_id {
@@ -58,6 +68,9 @@ enum opt_id {
 	O_INCLUDE_LAST,
 	O_TIMING,
 	O_AUX,
+	O_LIMIT,
+	O_INTERVAL,
+	O_COUNT,
 };
 
 struct opt_def {
@@ -86,6 +99,15 @@ static const struct opt_def opt_defs[] = {
     {"--include-last", O_INCLUDE_LAST, G_MAP, false, NULL},
     {"--timing", O_TIMING, G_META, true, NULL},
     {"--aux", O_AUX, G_META, true, NULL},
+    {"--limit", O_LIMIT, G_LIMIT, true, NULL},
+    {"--interval", O_INTERVAL, G_FOLLOW, true, NULL},
+    {"--count", O_COUNT, G_FOLLOW, true, NULL},
+};
+
+/* Settings of follow that stay in the client. */
+struct follow_opts {
+	long long interval_ms;
+	long long count; /* stop after this many prints; 0: never */
 };
 
 struct command {
@@ -98,8 +120,12 @@ struct command {
 	 * contents. */
 	const char *pos_fields[2];
 	bool contents;
-	bool meta_top_level; /* --timing/--aux go to the request itself, not to "metadata" */
-	bool prints_text;    /* print result.text verbatim instead of the JSON result */
+	bool meta_top_level;   /* --timing/--aux go to the request itself, not to "metadata" */
+	bool prints_text;      /* print result.text verbatim instead of the JSON result */
+	bool follow;           /* repeat the request until interrupted, printing changes */
+	const char *fixed;     /* JSON object of fields every request of the command has */
+	const char *select[2]; /* print only these keys of the result (NULL: all) */
+	int timeout_ms;        /* default --timeout of the command (0: DEFAULT_TIMEOUT_MS) */
 	const char *synopsis;
 	const char *help;
 };
@@ -234,6 +260,53 @@ static const struct command commands[] = {
     {.name = "stats", .op = "stats", .synopsis = "", .help = "print the daemon's counters"},
     {.name = "ping", .op = "ping", .synopsis = "", .help = "check that the daemon answers"},
     {
+        .name = "metrics",
+        .op = "stats",
+        .fixed = "{\"format\": \"prometheus\"}",
+        .prints_text = true,
+        .synopsis = "",
+        .help = "print the daemon's counters in the Prometheus text format",
+    },
+    {
+        .name = "spool",
+        .op = "stats",
+        .select = {"spool", "sink"},
+        .synopsis = "",
+        .help = "print the spool (writes not yet confirmed) and the sink's counters",
+    },
+    {
+        .name = "dead-letters",
+        .op = "dead_letters",
+        .groups = G_LIMIT,
+        .synopsis = "[--limit N]",
+        .help = "list the writes the sink refused for good (the newest N, default 100)",
+    },
+    {
+        .name = "retry-dead-letters",
+        .op = "retry_dead_letters",
+        .synopsis = "",
+        .help = "put every dead letter back into the spool, to be sent again",
+    },
+    {
+        .name = "create-table",
+        .op = "create_table",
+        .timeout_ms = CREATE_TABLE_TIMEOUT_MS,
+        .synopsis = "",
+        .help = "create the DynamoDB table and wait until it is ready (--timeout 120)",
+    },
+    {
+        .name = "follow",
+        .op = "describe",
+        .groups = G_FOLLOW,
+        .min_pos = 1,
+        .max_pos = 1,
+        .pos_fields = {"conversation"},
+        .prints_text = true,
+        .follow = true,
+        .synopsis = "CONV [--interval MS] [--count N]",
+        .help = "print describe of CONV whenever it changes (polled every MS, default 500)",
+    },
+    {
         .name = "raw",
         .synopsis = "",
         .help = "send request lines from stdin (pipelined), print every response line",
@@ -246,8 +319,12 @@ static const struct command commands[] = {
 struct globals {
 	const char *socket_path;
 	bool raw;
-	int timeout_ms; /* -1: wait forever */
+	bool timeout_given; /* --timeout was on the command line */
+	int timeout_ms;     /* -1: wait forever */
 };
+
+/* Set by SIGINT/SIGTERM while follow runs. */
+static volatile sig_atomic_t stop_requested;
 
 /* A growable byte buffer. */
 struct buf {
@@ -272,6 +349,11 @@ struct session {
 	bool write_closed;  /* the daemon will not read more */
 	bool error_seen;    /* some response was an error */
 	bool output_failed; /* writing to stdout failed */
+	/* follow: the signal mask while waiting (SIGINT/SIGTERM deliverable), NULL otherwise */
+	const sigset_t *wait_mask;
+	char *last_text; /* follow: the last text printed (owned) */
+	size_t last_len;
+	long long prints; /* follow: texts printed */
 };
 
 static void buf_free(struct buf *b)
@@ -461,9 +543,22 @@ static json_t *object_child(json_t *parent, const char *key)
 	return child;
 }
 
-/* Applies one command option to the request (meta: the object that gets "timing" and "aux").
- * Returns EXIT_OK, or EXIT_USAGE after printing the problem and the usage. */
-static int apply_option(const struct opt_def *o, const char *value, json_t *req, json_t *meta)
+/* Parses value as an integer from min to max for option name; 0, or EXIT_USAGE after
+ * printing the problem and the usage. */
+static int parse_option_int(const char *name, const char *value, long long min, long long max,
+                            long long *out)
+{
+	if (parse_int(value, out) != 0 || *out < min || *out > max)
+		return usage_error("%s: expected an integer from %lld to %lld, got '%s'", name, min,
+		                   max, value);
+	return 0;
+}
+
+/* Applies one command option to the request (meta: the object that gets "timing" and "aux";
+ * fo: follow's own settings). Returns EXIT_OK, or EXIT_USAGE after printing the problem and
+ * the usage. */
+static int apply_option(const struct opt_def *o, const char *value, json_t *req, json_t *meta,
+                        struct follow_opts *fo)
 {
 	json_t *v = NULL;
 	json_t *target = req;
@@ -510,6 +605,29 @@ static int apply_option(const struct opt_def *o, const char *value, json_t *req,
 		v = json_false();
 		key = "exclude_last";
 		break;
+	case O_LIMIT:
+		/* The range is the daemon's to check (bad_request); only a non-number is ours. */
+		if (parse_int(value, &n) != 0) {
+			rc = usage_error("--limit: '%s' is not an integer", value);
+			goto out;
+		}
+		v = json_integer((json_int_t)n);
+		key = "limit";
+		break;
+	case O_INTERVAL:
+		if (parse_option_int(o->name, value, 1, MAX_INTERVAL_MS, &fo->interval_ms) != 0) {
+			rc = EXIT_USAGE;
+			goto out;
+		}
+		rc = EXIT_OK;
+		goto out;
+	case O_COUNT:
+		if (parse_option_int(o->name, value, 1, LLONG_MAX, &fo->count) != 0) {
+			rc = EXIT_USAGE;
+			goto out;
+		}
+		rc = EXIT_OK;
+		goto out;
 	case O_TIMING:
 	case O_AUX:
 		eq = strchr(value, '=');
@@ -555,9 +673,11 @@ out:
 	return rc;
 }
 
-/* Builds the request of cmd from its arguments (argv[0] is the command name). On success
- * *req_out is a new object the caller frees. Returns an exit status (EXIT_OK on success). */
-static int build_request(const struct command *cmd, int argc, char **argv, json_t **req_out)
+/* Builds the request of cmd from its arguments (argv[0] is the command name), and fo from
+ * follow's options. On success *req_out is a new object the caller frees. Returns an exit
+ * status (EXIT_OK on success). */
+static int build_request(const struct command *cmd, int argc, char **argv, json_t **req_out,
+                         struct follow_opts *fo)
 {
 	json_t *req = NULL;
 	json_t *meta = NULL;
@@ -574,6 +694,14 @@ static int build_request(const struct command *cmd, int argc, char **argv, json_
 	pos = calloc((size_t)argc, sizeof(*pos));
 	if (!req || !meta || !pos || json_object_set_new(req, "op", json_string(cmd->op)) != 0)
 		goto oom;
+	if (cmd->fixed) {
+		json_t *fixed = json_loads(cmd->fixed, 0, NULL);
+		int failed = !fixed || json_object_update(req, fixed) != 0;
+
+		json_decref(fixed);
+		if (failed)
+			goto oom;
+	}
 	if (cmd->groups & G_MAP) {
 		if (json_object_set_new(req, "incremental", json_true()) != 0 ||
 		    json_object_set_new(req, "exclude_last", json_true()) != 0)
@@ -611,7 +739,7 @@ static int build_request(const struct command *cmd, int argc, char **argv, json_
 			rc = usage_error("%s: unknown option '%s'", cmd->name, argv[i]);
 			goto out;
 		}
-		rc = apply_option(o, value, req, cmd->meta_top_level ? req : meta);
+		rc = apply_option(o, value, req, cmd->meta_top_level ? req : meta, fo);
 		if (rc != EXIT_OK)
 			goto out;
 	}
@@ -708,53 +836,137 @@ static void print_error_response(json_t *resp)
 	fprintf(stderr, "convoctl: %s: %s\n", code ? code : "error", message ? message : "");
 }
 
+static void malformed_response(struct session *s, const char *line, size_t len)
+{
+	fprintf(stderr, "convoctl: malformed response from the daemon: %.*s\n",
+	        len > 200 ? 200 : (int)len, line);
+	s->error_seen = true;
+}
+
+/* Writes a response line as received. */
+static void write_line(struct session *s, const char *line, size_t len)
+{
+	if (fwrite(line, 1, len, stdout) != len || putchar('\n') == EOF)
+		s->output_failed = true;
+	fflush(stdout);
+}
+
+/* Writes a result's text as is. */
+static void write_text(struct session *s, const char *text, size_t len)
+{
+	if (fwrite(text, 1, len, stdout) != len)
+		s->output_failed = true;
+	/* A dump that does not end its last row still leaves the shell prompt on its own
+	 * line. */
+	if (len > 0 && text[len - 1] != '\n' && putchar('\n') == EOF)
+		s->output_failed = true;
+}
+
+/* follow: prints the result's text (or, with --raw, the line) when it differs from the last
+ * one printed. */
+static void follow_print(struct session *s, const json_t *result, const char *line, size_t len)
+{
+	const json_t *t = json_object_get(result, "text");
+	const char *text;
+	size_t text_len;
+	char *copy;
+
+	if (!json_is_string(t)) {
+		malformed_response(s, line, len);
+		return;
+	}
+	text = json_string_value(t);
+	text_len = json_string_length(t);
+	if (s->last_text && s->last_len == text_len && memcmp(s->last_text, text, text_len) == 0)
+		return;
+	copy = malloc(text_len + 1);
+	if (!copy) {
+		fputs("convoctl: out of memory\n", stderr);
+		s->error_seen = true;
+		return;
+	}
+	memcpy(copy, text, text_len + 1);
+	free(s->last_text);
+	s->last_text = copy;
+	s->last_len = text_len;
+	if (s->g->raw)
+		write_line(s, line, len);
+	else
+		write_text(s, text, text_len);
+	s->prints++;
+	if (fflush(stdout) != 0)
+		s->output_failed = true;
+}
+
+/* The keys of result named by the command's select, as a new object (NULL: out of memory). */
+static json_t *select_keys(const struct command *cmd, const json_t *result)
+{
+	json_t *out = json_object();
+	size_t i;
+
+	for (i = 0; out && i < ARRAY_LEN(cmd->select) && cmd->select[i]; i++) {
+		json_t *v = json_object_get(result, cmd->select[i]);
+
+		if (json_object_set(out, cmd->select[i], v ? v : json_null()) != 0) {
+			json_decref(out);
+			out = NULL;
+		}
+	}
+	return out;
+}
+
 /* Handles one response line: prints it and notes whether it was an error. */
 static void on_response(struct session *s, const char *line, size_t len)
 {
 	json_t *resp = NULL;
 	json_t *result;
+	json_t *selected = NULL;
 	json_error_t jerr;
 	char *dump = NULL;
-	const char *text;
-	size_t text_len;
 	bool verbatim = s->g->raw || !s->cmd;
+	bool follow = s->cmd && s->cmd->follow;
 
 	resp = json_loadb(line, len, 0, &jerr);
-	if (verbatim) {
-		if (fwrite(line, 1, len, stdout) != len || putchar('\n') == EOF)
-			s->output_failed = true;
-		fflush(stdout);
-	}
+	if (verbatim && !follow)
+		write_line(s, line, len);
 	if (!resp || !json_is_object(resp) || !json_is_boolean(json_object_get(resp, "ok"))) {
-		fprintf(stderr, "convoctl: malformed response from the daemon: %.*s\n",
-		        len > 200 ? 200 : (int)len, line);
-		s->error_seen = true;
+		malformed_response(s, line, len);
 		goto out;
 	}
 	if (!json_is_true(json_object_get(resp, "ok"))) {
+		if (verbatim && follow)
+			write_line(s, line, len);
 		print_error_response(resp);
 		s->error_seen = true;
 		goto out;
 	}
+	result = json_object_get(resp, "result");
+	if (follow) {
+		follow_print(s, result, line, len);
+		goto out;
+	}
 	if (verbatim)
 		goto out;
-	result = json_object_get(resp, "result");
 	if (s->cmd->prints_text && json_is_string(json_object_get(result, "text"))) {
-		text = json_string_value(json_object_get(result, "text"));
-		text_len = json_string_length(json_object_get(result, "text"));
-		if (fwrite(text, 1, text_len, stdout) != text_len)
-			s->output_failed = true;
-		/* A dump that does not end its last row still leaves the shell prompt on its
-		 * own line. */
-		if (text_len > 0 && text[text_len - 1] != '\n' && putchar('\n') == EOF)
-			s->output_failed = true;
+		write_text(s, json_string_value(json_object_get(result, "text")),
+		           json_string_length(json_object_get(result, "text")));
 		goto out;
+	}
+	if (s->cmd->select[0]) {
+		selected = select_keys(s->cmd, result);
+		if (!selected) {
+			fputs("convoctl: out of memory\n", stderr);
+			s->error_seen = true;
+			goto out;
+		}
+		result = selected;
 	}
 	dump = json_dumps(result ? result : json_null(), JSON_INDENT(2) | JSON_ENCODE_ANY);
 	if (!dump || puts(dump) == EOF)
 		s->output_failed = true;
 out:
 	free(dump);
+	json_decref(selected);
 	json_decref(resp);
 }
 
@@ -861,8 +1073,21 @@ static int pump_socket_in(struct session *s)
 	}
 }
 
+/* poll() with a timeout in ms (-1: none) that lets SIGINT/SIGTERM in only while waiting
+ * when mask is not NULL (follow), so a signal cannot slip in just before the wait. */
+static int wait_fds(struct pollfd *pfd, nfds_t n, int timeout_ms, const sigset_t *mask)
+{
+	struct timespec ts;
+
+	if (timeout_ms < 0)
+		return ppoll(pfd, n, NULL, mask);
+	ts.tv_sec = timeout_ms / 1000;
+	ts.tv_nsec = (long)(timeout_ms % 1000) * 1000000L;
+	return ppoll(pfd, n, &ts, mask);
+}
+
 /* Runs the exchange until every request has its answer (and stdin, if any, is done).
- * Returns the exit status. */
+ * Returns the exit status (EXIT_OK at once when follow is interrupted). */
 static int session_run(struct session *s)
 {
 	struct pollfd pfd[2];
@@ -886,8 +1111,10 @@ static int session_run(struct session *s)
 			pfd[1].fd = -1;
 		/* The timeout measures the daemon's silence, not the user's typing. */
 		waiting = pending || s->answered < s->sent_lines;
-		n = poll(pfd, 2, waiting ? s->g->timeout_ms : -1);
+		n = wait_fds(pfd, 2, waiting ? s->g->timeout_ms : -1, s->wait_mask);
 		if (n < 0) {
+			if (errno == EINTR && stop_requested)
+				return EXIT_OK;
 			if (errno == EINTR)
 				continue;
 			fprintf(stderr, "convoctl: poll: %s\n", strerror(errno));
@@ -965,6 +1192,133 @@ out:
 	return rc;
 }
 
+static void on_stop_signal(int sig)
+{
+	(void)sig;
+	stop_requested = 1;
+}
+
+static long long monotonic_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* follow: waits ms between two polls, watching the connection. Returns -1 when the time is
+ * up, EXIT_OK when interrupted, EXIT_UNREACHABLE when the connection ended or failed. */
+static int follow_pause(struct session *s, long long ms)
+{
+	long long deadline = monotonic_ms() + ms;
+	struct pollfd pfd;
+	long long left;
+	int n, rc;
+
+	for (;;) {
+		if (stop_requested)
+			return EXIT_OK;
+		left = deadline - monotonic_ms();
+		if (left <= 0)
+			return -1;
+		pfd.fd = s->fd;
+		pfd.events = POLLIN;
+		pfd.revents = 0;
+		n = wait_fds(&pfd, 1, left > INT_MAX ? INT_MAX : (int)left, s->wait_mask);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			fprintf(stderr, "convoctl: poll: %s\n", strerror(errno));
+			return EXIT_UNREACHABLE;
+		}
+		if (n > 0) {
+			/* Nothing is owed: the daemon closing the connection is the usual cause. */
+			rc = pump_socket_in(s);
+			if (rc != 0) {
+				fprintf(stderr, "convoctl: %s\n",
+				        rc < 0 ? "connection to the daemon failed"
+				               : "the daemon closed the connection");
+				return EXIT_UNREACHABLE;
+			}
+		}
+	}
+}
+
+/* follow: sends req on one connection every fo->interval_ms, printing the text when it
+ * changed, until SIGINT/SIGTERM (exit 0), fo->count prints (0), an error answer (1) or the
+ * connection's end (3). */
+static int run_follow(const struct globals *g, const struct command *cmd, json_t *req,
+                      const struct follow_opts *fo)
+{
+	struct session s;
+	struct sigaction sa;
+	sigset_t stop_set, old_set, wait_set;
+	char *line = NULL;
+	size_t line_len;
+	int rc = EXIT_UNREACHABLE;
+
+	memset(&s, 0, sizeof(s));
+	s.g = g;
+	s.cmd = cmd;
+	s.in_fd = -1;
+	s.fd = -1;
+	/* The signals stay blocked except while waiting for the daemon or for the next poll,
+	 * where they end the wait (a write to a stuck stdout is ended by SIGPIPE instead). */
+	sigemptyset(&stop_set);
+	sigaddset(&stop_set, SIGINT);
+	sigaddset(&stop_set, SIGTERM);
+	sigprocmask(SIG_BLOCK, &stop_set, &old_set);
+	wait_set = old_set;
+	sigdelset(&wait_set, SIGINT);
+	sigdelset(&wait_set, SIGTERM);
+	s.wait_mask = &wait_set;
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_stop_signal;
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+
+	line = json_dumps(req, JSON_COMPACT);
+	if (!line) {
+		fputs("convoctl: out of memory\n", stderr);
+		rc = EXIT_ERROR_RESPONSE;
+		goto out;
+	}
+	line_len = strlen(line);
+	s.fd = connect_daemon(g);
+	if (s.fd < 0)
+		goto out;
+	for (;;) {
+		if (buf_append(&s.out, line, line_len, SIZE_MAX) != 0 ||
+		    buf_append(&s.out, "\n", 1, SIZE_MAX) != 0) {
+			fputs("convoctl: out of memory\n", stderr);
+			rc = EXIT_ERROR_RESPONSE;
+			goto out;
+		}
+		s.sent_lines++;
+		rc = session_run(&s);
+		if (rc != EXIT_OK || stop_requested)
+			break;
+		if (fo->count > 0 && s.prints >= fo->count)
+			break;
+		rc = follow_pause(&s, fo->interval_ms);
+		if (rc >= 0)
+			break;
+	}
+	if (fflush(stdout) != 0 && rc == EXIT_OK) {
+		fputs("convoctl: writing to stdout failed\n", stderr);
+		rc = EXIT_ERROR_RESPONSE;
+	}
+out:
+	if (s.fd >= 0)
+		close(s.fd);
+	free(line);
+	free(s.last_text);
+	buf_free(&s.out);
+	buf_free(&s.in);
+	return rc;
+}
+
 /* Parses --timeout's SEC (a non-negative decimal, 0 = forever) into milliseconds. */
 static int parse_timeout(const char *s, int *ms)
 {
@@ -986,6 +1340,7 @@ static int parse_timeout(const char *s, int *ms)
 int main(int argc, char **argv)
 {
 	struct globals g;
+	struct follow_opts fo = {DEFAULT_INTERVAL_MS, 0};
 	const struct command *cmd;
 	json_t *req = NULL;
 	const char *value = NULL;
@@ -994,6 +1349,7 @@ int main(int argc, char **argv)
 
 	g.socket_path = env && *env ? env : DEFAULT_SOCKET;
 	g.raw = false;
+	g.timeout_given = false;
 	g.timeout_ms = DEFAULT_TIMEOUT_MS;
 	for (i = 1; i < argc && strncmp(argv[i], "-", 1) == 0 && strcmp(argv[i], "-") != 0; i++) {
 		if (strcmp(argv[i], "--") == 0) {
@@ -1025,6 +1381,7 @@ int main(int argc, char **argv)
 			if (parse_timeout(value, &g.timeout_ms) != 0)
 				return usage_error("--timeout: expected seconds >= 0, got '%s'",
 				                   value);
+			g.timeout_given = true;
 			continue;
 		}
 		if (m < 0)
@@ -1036,6 +1393,8 @@ int main(int argc, char **argv)
 	cmd = command_lookup(argv[i]);
 	if (!cmd)
 		return usage_error("unknown command '%s'", argv[i]);
+	if (!g.timeout_given && cmd->timeout_ms > 0)
+		g.timeout_ms = cmd->timeout_ms;
 	/* The protocol is UTF-8: refuse here what could never be sent, so that a failing
 	 * json_string() later can only mean out of memory. */
 	for (m = i + 1; m < argc; m++) {
@@ -1046,7 +1405,7 @@ int main(int argc, char **argv)
 		json_decref(probe);
 	}
 	if (cmd->op) {
-		rc = build_request(cmd, argc - i, argv + i, &req);
+		rc = build_request(cmd, argc - i, argv + i, &req, &fo);
 		if (rc < 0)
 			return EXIT_OK;
 		if (rc != EXIT_OK)
@@ -1054,7 +1413,7 @@ int main(int argc, char **argv)
 	} else if (argc - i > 1) {
 		return usage_error("%s takes no arguments", cmd->name);
 	}
-	rc = run(&g, cmd, req);
+	rc = cmd->follow ? run_follow(&g, cmd, req, &fo) : run(&g, cmd, req);
 	json_decref(req);
 	return rc;
 }

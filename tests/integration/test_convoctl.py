@@ -1,22 +1,28 @@
 """convoctl against the real daemon: every command, the exit statuses (0 ok, 1 error answer,
-2 usage, 3 unreachable), --raw, and the stdin raw mode with pipelining."""
+2 usage, 3 unreachable), --raw, the stdin raw mode with pipelining, and the admin commands
+(metrics, spool, dead letters, create-table against dynalite, follow)."""
 import json
 import os
 import re
+import select
+import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
+import uuid
 
 import pytest
 
+import ddb
 from conftest import CONVOCTL, ROOT
 
 MAN_PAGE = os.path.join(ROOT, "clients", "convoctl.1")
 COMMANDS = ["add-user", "add-assistant", "add-message", "get-messages", "summary-info",
             "add-summary", "last-summary", "messages-map", "set-metadata", "describe", "flush",
-            "close", "list", "stats", "ping", "raw"]
+            "close", "list", "stats", "ping", "metrics", "spool", "dead-letters",
+            "retry-dead-letters", "create-table", "follow", "raw"]
 
 
 def run(args, socket_path=None, stdin=b"", env=None, timeout=60):
@@ -79,7 +85,8 @@ def test_help_lists_every_command_and_the_man_page_documents_them():
                          re.M), "man page lacks " + name
     for opt in ["--socket", "--raw", "--timeout", "--format", "--preamble",
                 "--include-previous-summary", "--ids", "--versions", "--full",
-                "--include-last", "--timing", "--aux", "--user-tag", "--summary-closure"]:
+                "--include-last", "--timing", "--aux", "--user-tag", "--summary-closure",
+                "--limit", "--interval", "--count"]:
         assert opt in p.stdout, opt
         assert opt in man, "man page lacks " + opt
     assert "Usage:" in p.stdout
@@ -123,6 +130,23 @@ def test_version_matches_daemon(ctl_json):
     ["flush", "c1", "c2"],
     ["close"],
     ["raw", "extra"],
+    ["metrics", "extra"],
+    ["metrics", "--format", "json"],
+    ["spool", "x"],
+    ["dead-letters", "--limit"],
+    ["dead-letters", "--limit", "ten"],
+    ["dead-letters", "--limit", "1", "x"],
+    ["dead-letters", "--count", "1"],
+    ["retry-dead-letters", "x"],
+    ["create-table", "t"],
+    ["follow"],
+    ["follow", "c1", "c2"],
+    ["follow", "c1", "--interval", "0"],
+    ["follow", "c1", "--interval", "soon"],
+    ["follow", "c1", "--interval", "86400001"],
+    ["follow", "c1", "--count", "0"],
+    ["follow", "c1", "--count"],
+    ["follow", "c1", "--limit", "1"],
     ["add-user", "c1", b"\xff invalid UTF-8"],
 ])
 def test_usage_errors_exit_2_and_send_nothing(daemon, args):
@@ -560,3 +584,322 @@ def test_stdin_mode_survives_the_daemons_output_limit(daemon_factory):
     resps = [json.loads(x) for x in p.stdout.splitlines()]
     assert [r["id"] for r in resps] == list(range(n))
     assert all(len(r["result"]["messages"][0]["message"]["contents"][0]) == 20000 for r in resps)
+
+
+# -- admin commands -------------------------------------------------------------------------
+
+PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)'
+                         r'(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"\n]*"(?:,[a-zA-Z_][a-zA-Z0-9_]*="[^"\n]*")*\})?'
+                         r' (-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)$')
+PROM_TYPE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge)$")
+
+
+def parse_prometheus(text):
+    """Parses Prometheus text exposition: returns ({name: type}, {(name, labels): value}).
+    Fails on any line that is neither a comment nor a sample, on a sample whose metric has
+    no # TYPE line before it, and on a repeated sample."""
+    assert text.endswith("\n"), repr(text[-50:])
+    types, samples = {}, {}
+    for line in text[:-1].split("\n"):
+        if line.startswith("#"):
+            m = PROM_TYPE.match(line)
+            if m:
+                assert m.group(1) not in types, "TYPE twice: " + line
+                types[m.group(1)] = m.group(2)
+            continue
+        m = PROM_SAMPLE.match(line)
+        assert m, "not a Prometheus sample: %r" % line
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        assert name in types, "sample before its # TYPE line: " + line
+        assert (name, labels) not in samples, "sample twice: " + line
+        samples[(name, labels)] = float(value)
+    return types, samples
+
+
+def test_metrics_is_prometheus_text_of_the_stats(ctl, ctl_json):
+    ctl_json("add-user", "pm1", "Hi")
+    before = ctl_json("stats")
+    for _ in range(3):
+        ctl_json("ping")
+    ctl("get-messages", "nobody", expect=1)
+    out = ctl("metrics").stdout
+    assert re.search(r"^# TYPE convod_requests_total counter$", out, re.M), out
+    assert re.search(r"^convod_requests_total [0-9]+$", out, re.M), out
+    types, samples = parse_prometheus(out)
+    assert types["convod_requests_total"] == "counter"
+    assert types["convod_conversations"] == "gauge"
+    assert samples[("convod_requests_by_op_total", '{op="ping"}')] == \
+        before["requests"]["by_op"]["ping"] + 3
+    assert samples[("convod_requests_by_op_total", '{op="get_messages"}')] == \
+        before["requests"]["by_op"]["get_messages"] + 1
+    assert samples[("convod_errors_by_code_total", '{code="not_found"}')] == \
+        before["errors"]["by_code"]["not_found"] + 1
+    assert samples[("convod_conversations", "")] == before["conversations"] == 1
+    assert samples[("convod_messages", "")] == 1
+    # metrics, ping x3, get-messages and stats itself: at least as many as before + 5.
+    assert samples[("convod_requests_total", "")] >= before["requests"]["total"] + 5
+    assert samples[("convod_info", '{version="%s",sink="local"}' % before["version"])] == 1
+    assert samples[("convod_spool_items", "")] == 0
+    # The same request through --raw: the text is in the JSON answer, unchanged in form.
+    raw = json.loads(ctl("--raw", "metrics").stdout)
+    assert raw["result"]["format"] == "prometheus"
+    parse_prometheus(raw["result"]["text"])
+
+
+def test_parse_prometheus_rejects_what_it_should():
+    """The parser above must really fail on bad text: a check that always passes proves
+    nothing."""
+    good = "# TYPE a counter\na 1\na_b 2\n"
+    with pytest.raises(AssertionError):
+        parse_prometheus(good)  # a_b has no TYPE line
+    for bad in ["# TYPE a counter\na one\n", "# TYPE a counter\na{x=1} 1\n",
+                "# TYPE a counter\na 1", "# TYPE a counter\na 1\na 2\n",
+                "# TYPE a counter\n a 1\n"]:
+        with pytest.raises(AssertionError):
+            parse_prometheus(bad)
+    assert parse_prometheus('# TYPE a gauge\na{q="0.5",k="v"} 1.5e3\n')[1] == \
+        {("a", '{q="0.5",k="v"}'): 1500.0}
+
+
+def test_spool_prints_the_spool_and_sink_of_stats(ctl_json):
+    ctl_json("add-user", "sp1", "Hi")
+    ctl_json("flush")
+    out = ctl_json("spool")
+    assert set(out) == {"spool", "sink"}
+    stats = ctl_json("stats")
+    assert set(out["spool"]) == set(stats["spool"]) >= {"items", "bytes", "oldest_pending_ms"}
+    assert set(out["sink"]) == set(stats["sink"])
+    assert out["sink"]["kind"] == "local"
+    assert out["spool"]["items"] == 0 and out["sink"]["dead_lettered"] == 0
+
+
+def test_dead_letters_empty_and_retry_nothing(ctl, ctl_json):
+    assert ctl_json("dead-letters") == {"dead_letters": []}
+    assert ctl_json("dead-letters", "--limit", "5") == {"dead_letters": []}
+    assert ctl_json("dead-letters", "--limit=100000") == {"dead_letters": []}
+    assert ctl_json("retry-dead-letters") == {"retried": 0}
+    # The range is the daemon's to check: exit 1 with its bad_request.
+    for limit in ("0", "100001", "-3"):
+        p = ctl("dead-letters", "--limit", limit, expect=1)
+        assert error_code(p) == "bad_request" and "limit" in p.stderr
+        assert p.stdout == ""
+
+
+def test_create_table_without_dynamodb_is_bad_request(ctl):
+    p = ctl("create-table", expect=1)
+    assert error_code(p) == "bad_request"
+    assert "DynamoDB" in p.stderr
+    assert p.stdout == ""
+
+
+# -- follow ---------------------------------------------------------------------------------
+
+DESCRIBE_HEADER = "META MESSAGES ("
+
+
+class Follower:
+    """convoctl follow running in the background; reads its output with a deadline."""
+
+    def __init__(self, socket_path, args):
+        env = dict(os.environ)
+        env.pop("CONVOD_SOCKET", None)
+        self.proc = subprocess.Popen([CONVOCTL, "--socket", socket_path] + list(args),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env)
+        self.out = b""
+
+    def read_until(self, pred, timeout=20.0):
+        """Reads stdout until pred(text so far) holds; returns the text."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while not pred(self.out.decode()):
+            left = deadline - time.monotonic()
+            assert left > 0, "follow printed only %r" % self.out
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 65536)
+                assert chunk, "follow ended early (%s): %r %r" % (
+                    self.proc.poll(), self.out, self.proc.stderr.read())
+                self.out += chunk
+        return self.out.decode()
+
+    def finish(self, timeout=20.0):
+        """Waits for the exit; returns (status, all stdout, stderr)."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise AssertionError("follow did not exit within %ss" % timeout)
+        self.out += out
+        err = err.decode()
+        assert "Sanitizer" not in err and "runtime error:" not in err, err
+        return self.proc.returncode, self.out.decode(), err
+
+
+def dumps(text):
+    """Splits follow's output into describe dumps (each starts with the header line)."""
+    parts = text.split(DESCRIBE_HEADER)
+    assert parts[0] == "", text
+    return [DESCRIBE_HEADER + p for p in parts[1:]]
+
+
+def complete_dumps(n):
+    return lambda text: text.count(DESCRIBE_HEADER) >= n and text.endswith(".\n") and \
+        len(re.findall(r"^\.  - -> index \d+\.$", text, re.M)) >= n
+
+
+def test_follow_prints_when_the_log_changes(daemon, ctl, ctl_json):
+    ctl_json("add-user", "f1", "Hi")
+    first = ctl("describe", "f1").stdout
+    f = Follower(daemon.socket, ["follow", "f1", "--interval", "50", "--count", "2"])
+    try:
+        f.read_until(complete_dumps(1))
+        # About ten polls of an unchanged log print nothing (else --count 2 ends here).
+        time.sleep(0.5)
+        assert f.proc.poll() is None, f.out
+        assert dumps(f.out.decode()) == [first]
+        daemon.connect().ok({"op": "add_assistant", "conversation": "f1", "contents": "Hello"})
+    finally:
+        rc, out, err = f.finish()
+    assert rc == 0, (out, err)
+    second = ctl("describe", "f1").stdout
+    assert dumps(out) == [first, second]
+    assert "Hello" in second and "Hello" not in first
+
+
+def test_follow_stops_with_0_on_sigint_and_sigterm(daemon, ctl_json):
+    ctl_json("add-user", "f2", "Hi")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        f = Follower(daemon.socket, ["follow", "f2", "--interval", "10000"])
+        try:
+            f.read_until(complete_dumps(1))
+            time.sleep(0.1)  # in the pause between polls: it must end that pause at once
+            t0 = time.monotonic()
+            f.proc.send_signal(sig)
+        finally:
+            rc, out, err = f.finish()
+        assert time.monotonic() - t0 < 5, "the signal did not end the pause"
+        assert rc == 0, (sig, out, err)
+        assert len(dumps(out)) == 1 and "'Hi'" in out
+
+
+def test_follow_raw_prints_response_lines(daemon, ctl, ctl_json):
+    ctl_json("add-user", "f3", "Hi")
+    p = ctl("--raw", "follow", "f3", "--count", "1")
+    (line,) = p.stdout.splitlines()
+    resp = json.loads(line)
+    assert resp["ok"] is True and resp["result"]["text"] == ctl("describe", "f3").stdout
+
+
+def test_follow_unknown_conversation_exits_1(ctl):
+    p = ctl("follow", "nobody", "--count", "1", expect=1)
+    assert error_code(p) == "not_found"
+    assert p.stdout == ""
+
+
+def test_follow_exits_3_when_the_daemon_goes_away(daemon_factory):
+    d = daemon_factory()
+    d.connect().ok({"op": "add_user", "conversation": "f4", "contents": "Hi"})
+    f = Follower(d.socket, ["follow", "f4", "--interval", "50"])
+    try:
+        f.read_until(complete_dumps(1))
+        assert d.stop() == 0
+    finally:
+        rc, out, err = f.finish()
+    assert rc == 3, (out, err)
+    assert "closed the connection" in err or "cannot connect" in err or \
+        "connection to the daemon failed" in err, err
+
+
+# -- with DynamoDB (dynalite) ---------------------------------------------------------------
+
+def ddb_env(endpoint):
+    return {"AWS_ENDPOINT_URL_DYNAMODB": endpoint, "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/convod-test-credentials",
+            "AWS_CONFIG_FILE": "/nonexistent/convod-test-config",
+            "NO_PROXY": "*", "no_proxy": "*"}
+
+
+def wait_for(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, "timed out waiting for " + what
+        time.sleep(0.05)
+
+
+def test_create_table_with_dynalite(dynalite, daemon_factory):
+    table = "convod-ctl-%s" % uuid.uuid4().hex[:12]
+    assert table not in ddb.list_tables(dynalite)
+    d = daemon_factory(args=["--dynamodb-table", table, "--flush-interval", "50"],
+                       env=ddb_env(dynalite))
+    try:
+        p = run(["create-table"], d.socket)
+        assert p.returncode == 0, (p.stdout, p.stderr)
+        assert json.loads(p.stdout) == {"table": table, "ready": True}
+        desc = ddb.describe_table(dynalite, table)
+        assert desc["TableStatus"] == "ACTIVE"
+        assert sorted((k["AttributeName"], k["KeyType"]) for k in desc["KeySchema"]) == \
+            [("conversation", "HASH"), ("sk", "RANGE")]
+        # An existing table is fine.
+        p = run(["create-table"], d.socket)
+        assert p.returncode == 0, (p.stdout, p.stderr)
+        assert json.loads(p.stdout) == {"table": table, "ready": True}
+        # The daemon writes to it.
+        c = d.connect()
+        mid = c.ok({"op": "add_user", "conversation": "ct", "contents": "Hi"})["message"]["id"]
+        c.ok({"op": "flush"})
+        items = wait_for(lambda: ddb.query_all(dynalite, table, "ct"), what="the item")
+        assert [it["sk"]["S"] for it in items] == [mid]
+        spool = json.loads(run(["spool"], d.socket).stdout)
+        assert spool["sink"]["kind"] == "dynamodb"
+        wait_for(lambda: json.loads(run(["spool"], d.socket).stdout)["spool"]["items"] == 0,
+                 what="an empty spool")
+    finally:
+        try:
+            ddb.delete_table(dynalite, table, wait=False)
+        except (OSError, ddb.DdbError):
+            pass
+
+
+def test_dead_letter_listed_retried_and_delivered(faultproxy, dynalite, ddb_table,
+                                                  daemon_factory):
+    d = daemon_factory(args=["--dynamodb-table", ddb_table, "--flush-interval", "50",
+                             "--retry-base-ms", "20", "--retry-max-ms", "300"],
+                       env=ddb_env(faultproxy.url))
+
+    def ctl_json(*args):
+        p = run(args, d.socket)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        return json.loads(p.stdout)
+
+    assert ctl_json("dead-letters") == {"dead_letters": []}
+    # The only BatchWriteItem (one item) is refused for good: a dead letter.
+    faultproxy.push("validation", n=1, op="BatchWriteItem")
+    added = ctl_json("add-user", "dl1", "Hi")["message"]
+    t0 = int(time.time() * 1000)
+    assert ctl_json("flush", "dl1") == {"flushed": 1}
+    sink = wait_for(lambda: (lambda s: s if s["sink"]["dead_lettered"] >= 1 else None)(
+        ctl_json("spool")), what="a dead letter")["sink"]
+    assert sink["dead_lettered"] == 1 and "ValidationException" in (sink["last_error"] or "")
+    assert faultproxy.count("validation") == 1
+    (dead,) = ctl_json("dead-letters")["dead_letters"]
+    assert dead["conversation"] == "dl1" and dead["sk"] == added["id"]
+    assert dead["version"] == 1 and "ValidationException" in dead["error"]
+    assert t0 - 5000 <= dead["at"] <= int(time.time() * 1000) + 5000
+    assert ctl_json("dead-letters", "--limit", "1") == {"dead_letters": [dead]}
+    assert ddb.query_all(dynalite, ddb_table, "dl1") == []
+    # Retried: back in the spool, sent again, and this time written.
+    assert ctl_json("retry-dead-letters") == {"retried": 1}
+    items = wait_for(lambda: ddb.query_all(dynalite, ddb_table, "dl1"), what="the item")
+    assert [it["sk"]["S"] for it in items] == [added["id"]]
+    assert ddb.from_item(items[0])["message"] == {"role": "user", "contents": ["Hi"]}
+    assert ctl_json("dead-letters") == {"dead_letters": []}
+    assert ctl_json("retry-dead-letters") == {"retried": 0}
+    spool = wait_for(lambda: (lambda s: s if s["spool"]["items"] == 0 else None)(
+        ctl_json("spool")), what="an empty spool")
+    assert spool["sink"]["dead_lettered"] == 1  # a counter: the retry does not undo it

@@ -21,7 +21,8 @@ PLACEHOLDER = re.compile(r"^\$(ULID|INT|STR|ANY)(?::([A-Za-z0-9_]+))?$")
 REF_IN_RE = re.compile(r"\$=([A-Za-z0-9_]+)")
 OPS = {"add_user", "add_assistant", "add_message", "get_messages", "get_summary_info",
        "add_summary", "get_last_summary", "to_messages_map", "set_metadata", "describe",
-       "flush", "close", "list", "stats", "ping"}
+       "flush", "close", "list", "stats", "ping", "dead_letters", "retry_dead_letters",
+       "create_table"}
 EXAMPLE = {"ULID": "01ARZ3NDEKTSV4RRFFQ69G5FAV", "INT": 1, "STR": "x", "ANY": None}
 
 _validator = None
@@ -214,9 +215,12 @@ def capture_names(pattern, out):
             capture_names(p, out)
 
 
-def result_schema(op):
+def result_schema(op, req=None):
+    """The schema of op's result; stats has another shape with "format": "prometheus"."""
     if op in ("add_user", "add_assistant", "add_message"):
         return "result-add.schema.json"
+    if op == "stats" and isinstance(req, dict) and req.get("format") == "prometheus":
+        return "result-stats-prometheus.schema.json"
     return "result-%s.schema.json" % op
 
 
@@ -230,7 +234,7 @@ def schema_errors_for_response(req, response):
         op = req.get("op") if isinstance(req, dict) else None
         if op not in OPS:
             return ["a success answer to a request without a known op"]
-        return v.validate(response["result"], result_schema(op))
+        return v.validate(response["result"], result_schema(op, req))
     return []
 
 
@@ -268,6 +272,7 @@ def test_schemas_are_well_formed():
     assert v.check_schemas() == []
     for op in OPS:
         assert result_schema(op) in v.names(), "no result schema for " + op
+    assert result_schema("stats", {"op": "stats", "format": "prometheus"}) in v.names()
 
 
 def test_validator_rejects_what_it_should():
@@ -296,6 +301,12 @@ def test_validator_rejects_what_it_should():
     assert v.validate({"op": "add_user", "conversation": "c", "contents": "\u200b"}, "request.schema.json") == []
     assert v.validate({"op": "add_message", "conversation": "c", "role": "summary", "contents": "x"}, "request.schema.json")
     assert v.validate({"op": "nope"}, "request.schema.json")
+    assert v.validate({"op": "dead_letters", "limit": 0}, "request.schema.json")
+    assert v.validate({"op": "dead_letters", "limit": 100}, "request.schema.json") == []
+    assert v.validate({"op": "stats", "format": "yaml"}, "request.schema.json")
+    assert v.validate({"format": "json", "text": "x"}, "result-stats-prometheus.schema.json")
+    assert v.validate({"dead_letters": [{"conversation": "c", "sk": "x", "version": 1,
+                                         "error": "e", "at": 1}]}, "result-dead_letters.schema.json")
     assert v.validate({"ok": False, "error": {"code": "bad_request", "message": "m"}, "result": {}},
                       "response.schema.json")
     assert v.validate({"ok": True}, "response.schema.json")
