@@ -756,6 +756,25 @@ void dispatch_cancel_wait(struct dispatch *d, void *waiter)
 				r->waiters[i] = NULL;
 }
 
+/* A wait is over: unlink it, call every waiter still there back, free it. */
+static void restore_finish(struct restore_wait *r, enum dispatch_remote outcome)
+{
+	struct dispatch *d = r->d;
+	struct restore_wait **pp;
+
+	for (pp = &d->restores; *pp; pp = &(*pp)->next)
+		if (*pp == r) {
+			*pp = r->next;
+			break;
+		}
+	for (size_t i = 0; i < r->nwaiters; i++)
+		if (r->waiters[i] && d->on_ready)
+			d->on_ready(r->waiters[i], outcome);
+	free(r->waiters);
+	free(r->conv);
+	free(r);
+}
+
 /* Builds a conversation from DynamoDB items (sort-key order). NULL when they do not make a
  * valid log (logged). */
 static struct convo *convo_from_items(const char *conv, size_t len, const json_t *items)
@@ -799,7 +818,7 @@ bad:
 
 static void on_restore_query(void *arg, int status, const json_t *items)
 {
-	struct restore_wait *r = arg, **pp;
+	struct restore_wait *r = arg;
 	struct dispatch *d = r->d;
 	enum dispatch_remote outcome = DISPATCH_REMOTE_ABSENT;
 
@@ -809,7 +828,9 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 		        (int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, strerror(-status));
 	} else if (items && json_array_size(items) > 0 &&
 	           !registry_get(&d->reg, r->conv, r->conv_len)) {
-		struct convo *c = convo_from_items(r->conv, r->conv_len, items);
+		struct convo *c = d->reg.count < d->cfg->max_conversations
+		                      ? convo_from_items(r->conv, r->conv_len, items)
+		                      : NULL;
 		if (!c) {
 			outcome = DISPATCH_REMOTE_FAILED;
 		} else if (registry_put(&d->reg, c) < 0) {
@@ -822,17 +843,7 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 			mark_store_dirty(d, c);
 		}
 	}
-	for (pp = &d->restores; *pp; pp = &(*pp)->next)
-		if (*pp == r) {
-			*pp = r->next;
-			break;
-		}
-	for (size_t i = 0; i < r->nwaiters; i++)
-		if (r->waiters[i] && d->on_ready)
-			d->on_ready(r->waiters[i], outcome);
-	free(r->waiters);
-	free(r->conv);
-	free(r);
+	restore_finish(r, outcome);
 }
 
 /* Starts (or joins) the lookup of conv in DynamoDB. 0 or -errno. */
@@ -874,7 +885,7 @@ static const char table_wait_key[] = "\001create_table";
 
 static void on_table_created(void *arg, int status)
 {
-	struct restore_wait *r = arg, **pp;
+	struct restore_wait *r = arg;
 	struct dispatch *d = r->d;
 	enum dispatch_remote outcome =
 	    status == 0 || status == -EEXIST ? DISPATCH_REMOTE_ABSENT : DISPATCH_REMOTE_FAILED;
@@ -882,17 +893,7 @@ static void on_table_created(void *arg, int status)
 	if (outcome == DISPATCH_REMOTE_FAILED)
 		log_msg(LOG_ERROR, "sink", "cannot create table %s: %s", d->cfg->dynamodb_table,
 		        strerror(-status));
-	for (pp = &d->restores; *pp; pp = &(*pp)->next)
-		if (*pp == r) {
-			*pp = r->next;
-			break;
-		}
-	for (size_t i = 0; i < r->nwaiters; i++)
-		if (r->waiters[i] && d->on_ready)
-			d->on_ready(r->waiters[i], outcome);
-	free(r->waiters);
-	free(r->conv);
-	free(r);
+	restore_finish(r, outcome);
 }
 
 static int table_create_start(struct dispatch *d, void *waiter)

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "awsconf.h"
@@ -14,6 +15,7 @@
 #include "ddbclient.h"
 #include "dispatch.h"
 #include "log.h"
+#include "notify.h"
 #include "server.h"
 #include "sink.h"
 #include "store.h"
@@ -21,15 +23,18 @@
 struct daemon {
 	uv_loop_t loop;
 	struct config cfg;
+	struct config_args args; /* the command line, applied again over the file at a reload */
 	struct awsconf aws;
 	struct store *store;
 	struct sink *sink;
 	struct dispatch dispatch;
 	struct server server;
 	uv_signal_t sigint, sigterm;
+	uv_signal_t sighup;
 	uv_timer_t flush_timer;
 	int signals_seen;
 	int exit_code;
+	int listen_fd; /* passed by the service manager, until server_start owns it; or -1 */
 };
 
 /* mkdir -p with mode 0750 for the parts it creates. 0 or -errno. */
@@ -74,8 +79,10 @@ static void on_sink_closed(void *arg)
 {
 	struct daemon *d = arg;
 	d->sink = NULL;
+	notify_close();
 	uv_close((uv_handle_t *)&d->sigint, NULL);
 	uv_close((uv_handle_t *)&d->sigterm, NULL);
+	uv_close((uv_handle_t *)&d->sighup, NULL);
 }
 
 static void on_stopped(struct server *s)
@@ -86,6 +93,9 @@ static void on_stopped(struct server *s)
 	uv_close((uv_handle_t *)&d->flush_timer, NULL);
 	/* Every conversation's last message goes to the spool, then the flusher drains it. */
 	dispatch_flush_tick(&d->dispatch, true);
+	if (d->sink && sink_remote(d->sink) && d->signals_seen < 2)
+		notify_status("Stopping: sending the spool (up to %llu ms)",
+			      (unsigned long long)d->cfg.drain_ms);
 	if (d->sink)
 		sink_close(d->sink, d->signals_seen > 1 ? 0 : d->cfg.drain_ms, on_sink_closed, d);
 	else
@@ -97,10 +107,71 @@ static void on_signal(uv_signal_t *h, int signum)
 	struct daemon *d = h->data;
 
 	d->signals_seen++;
+	notify_stopping("Stopping: answering what was read, then flushing");
 	log_msg(LOG_INFO, "main", "%s: %s", strsignal(signum),
 		d->signals_seen == 1 ? "stopping (answering what was read, then flushing)"
 				     : "stopping now");
 	server_stop(&d->server, on_stopped);
+}
+
+/* The sink's share of the settings (the table is set by the caller). */
+static void sink_config_from(const struct config *cfg, struct sink_config *sc)
+{
+	sink_config_defaults(sc);
+	sc->batch_items = cfg->batch_items;
+	sc->retry_base_ms = cfg->retry_base_ms;
+	sc->retry_max_ms = cfg->retry_max_ms;
+	sc->spool_max_items = cfg->spool_max_items;
+	sc->expires_days = cfg->expires_days;
+}
+
+/* SIGHUP: rereads the config file, applies the flags over it again, and applies what may
+ * change while running (config_reload logs each change and what needs a restart); a bad
+ * file changes nothing. Then rereads the AWS credentials. d->cfg only ever changes here,
+ * on the loop thread, like every reader of it. */
+static void on_sighup(uv_signal_t *h, int signum)
+{
+	struct daemon *d = h->data;
+	struct config next;
+	char err[CONFIG_ERR_SIZE];
+
+	(void)signum;
+	if (d->server.stopping)
+		return;
+	log_msg(LOG_INFO, "config", "SIGHUP: reloading %s",
+		d->args.config_path ? d->args.config_path : "the flags (no config file)");
+	if (config_load(&next, &d->args, err, sizeof(err)) < 0) {
+		log_msg(LOG_ERROR, "config", "%s; keeping the running settings", err);
+	} else {
+		unsigned changed = config_reload(&d->cfg, &next);
+		if (changed & CONFIG_RELOAD_FLUSH_TIMER)
+			uv_timer_start(&d->flush_timer, on_flush_timer, d->cfg.flush_interval_ms,
+				       d->cfg.flush_interval_ms);
+		if (changed & CONFIG_RELOAD_SINK) {
+			struct sink_config sc;
+			sink_config_from(&d->cfg, &sc);
+			if (sink_reconfigure(d->sink, &sc) < 0)
+				log_msg(LOG_ERROR, "config", "the flusher refused the settings");
+		}
+	}
+	config_free(&next);
+	if (d->sink)
+		sink_reload_credentials(d->sink);
+}
+
+/* --check-config: the effective settings and the AWS ones (secrets masked) on stdout. */
+static int check_config(struct daemon *d)
+{
+	char awserr[AWSCONF_ERRBUF_SIZE] = "";
+
+	if (awsconf_load(&d->aws, awserr) < 0) {
+		fprintf(stderr, "convod: AWS settings: %s\n", awserr);
+		return 2;
+	}
+	config_print(&d->cfg, stdout);
+	config_print_aws(&d->aws, stdout);
+	fflush(stdout);
+	return ferror(stdout) ? 1 : 0;
 }
 
 static void on_table_created(void *arg, int status)
@@ -139,13 +210,8 @@ static int open_persistence(struct daemon *d)
 		}
 	}
 	remote = awsconf_dynamodb_configured(&d->aws);
-	sink_config_defaults(&sc);
+	sink_config_from(&d->cfg, &sc);
 	sc.table = remote ? d->cfg.dynamodb_table : NULL;
-	sc.batch_items = d->cfg.batch_items;
-	sc.retry_base_ms = d->cfg.retry_base_ms;
-	sc.retry_max_ms = d->cfg.retry_max_ms;
-	sc.spool_max_items = d->cfg.spool_max_items;
-	sc.expires_days = d->cfg.expires_days;
 	if (remote && ddbclient_global_init() < 0) {
 		log_msg(LOG_ERROR, "sink", "cannot initialise libcurl");
 		return -EIO;
@@ -169,23 +235,45 @@ static int open_persistence(struct daemon *d)
 int main(int argc, char **argv)
 {
 	static struct daemon d;
-	enum config_action action;
+	char err[CONFIG_ERR_SIZE];
 	int rc;
 
-	config_defaults(&d.cfg);
-	if (config_parse_args(&d.cfg, argc, argv, &action) < 0)
+	if (config_parse_args(&d.args, argc, argv, err, sizeof(err)) < 0) {
+		fprintf(stderr, "convod: %s\n", err);
 		return 2;
-	if (action == CONFIG_HELP) {
-		config_usage(argv[0]);
+	}
+	if (d.args.action == CONFIG_HELP || d.args.action == CONFIG_VERSION) {
+		if (d.args.action == CONFIG_HELP)
+			config_usage(argv[0]);
+		else
+			printf("convod %s (protocol 1)\n", CONVOD_VERSION);
+		config_args_free(&d.args);
 		return 0;
 	}
-	if (action == CONFIG_VERSION) {
-		printf("convod %s (protocol 1)\n", CONVOD_VERSION);
-		return 0;
+	/* The file first, then the flags over it; a bad file is a bad command line. */
+	if (config_load(&d.cfg, &d.args, err, sizeof(err)) < 0) {
+		fprintf(stderr, "convod: %s\n", err);
+		d.exit_code = 2;
+	} else if (d.args.action == CONFIG_CHECK) {
+		d.exit_code = check_config(&d);
+	}
+	if (d.exit_code || d.args.action == CONFIG_CHECK) {
+		awsconf_free(&d.aws);
+		config_free(&d.cfg);
+		config_args_free(&d.args);
+		return d.exit_code;
 	}
 	log_set_level(d.cfg.log_level);
+	log_set_format(d.cfg.log_format);
+	if (d.args.config_path)
+		log_msg(LOG_INFO, "config", "settings from %s", d.args.config_path);
 	signal(SIGPIPE, SIG_IGN);
 	uv_loop_init(&d.loop);
+	/* Before any thread exists (it edits the environment); no-ops without systemd. */
+	if (server_take_activation(&d.listen_fd) < 0 || notify_init(&d.loop) < 0) {
+		d.exit_code = 1;
+		goto out;
+	}
 
 	rc = make_dirs(d.cfg.state_dir);
 	if (rc < 0) {
@@ -208,7 +296,9 @@ int main(int argc, char **argv)
 		d.exit_code = 1;
 		goto out;
 	}
-	if (server_start(&d.server, &d.loop, &d.cfg, &d.dispatch) < 0) {
+	rc = server_start(&d.server, &d.loop, &d.cfg, &d.dispatch, d.listen_fd);
+	d.listen_fd = -1; /* the server's now, even when it failed */
+	if (rc < 0) {
 		d.exit_code = 1;
 		goto out;
 	}
@@ -217,6 +307,9 @@ int main(int argc, char **argv)
 	d.sigint.data = d.sigterm.data = &d;
 	uv_signal_start(&d.sigint, on_signal, SIGINT);
 	uv_signal_start(&d.sigterm, on_signal, SIGTERM);
+	uv_signal_init(&d.loop, &d.sighup);
+	d.sighup.data = &d;
+	uv_signal_start(&d.sighup, on_sighup, SIGHUP);
 	uv_timer_init(&d.loop, &d.flush_timer);
 	d.flush_timer.data = &d;
 	uv_timer_start(&d.flush_timer, on_flush_timer, d.cfg.flush_interval_ms,
@@ -224,10 +317,20 @@ int main(int argc, char **argv)
 	log_msg(LOG_INFO, "main", "convod %s ready (%s, durability %s)", CONVOD_VERSION,
 		d.store ? "local store" : "memory only",
 		store_durability_str((enum durability)d.cfg.durability));
+	{
+		char status[160];
+		snprintf(status, sizeof(status), "Ready: %zu conversation%s restored, %s",
+			 d.dispatch.reg.count, d.dispatch.reg.count == 1 ? "" : "s",
+			 d.store ? "local store" : "memory only");
+		notify_ready(status);
+	}
 
 	uv_run(&d.loop, UV_RUN_DEFAULT);
 	log_msg(LOG_INFO, "main", "stopped");
 out:
+	if (d.listen_fd >= 0)
+		close(d.listen_fd);
+	notify_close();
 	if (d.sink) {
 		/* Start-up failed after the sink existed: close it on the loop. */
 		sink_close(d.sink, 0, NULL, NULL);
@@ -243,5 +346,7 @@ out:
 	store_close(d.store);
 	awsconf_free(&d.aws);
 	ddbclient_global_cleanup();
+	config_free(&d.cfg);
+	config_args_free(&d.args);
 	return d.exit_code;
 }

@@ -2,6 +2,9 @@
 #include "server.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -14,21 +17,23 @@
 
 #define READ_CHUNK 65536
 #define STOP_DEADLINE_MS 10000
+#define LISTEN_FDS_START 3    /* SD_LISTEN_FDS_START: the first passed socket */
+#define PEER_GROUPS_MAX 65536 /* NGROUPS_MAX on Linux */
 
 struct conn {
 	uv_pipe_t pipe;
 	struct server *srv;
 	struct framer fr;
-	struct buf out;        /* answers of this turn, not yet handed to uv_write */
-	size_t queued;         /* bytes handed to uv_write and not yet written */
+	struct buf out; /* answers of this turn, not yet handed to uv_write */
+	size_t queued;  /* bytes handed to uv_write and not yet written */
 	struct conn *next, *prev;
 	struct conn *next_dirty;
-	bool dirty;            /* on srv->dirty */
-	bool reading;          /* uv_read_start is in effect */
-	bool paused;           /* over max_output_bytes: neither read nor served */
-	bool eof;              /* the client closed its side: answer what is left, then close */
-	bool closing;          /* uv_close called */
-	char *held;            /* a line waiting for a restore from DynamoDB (owned) */
+	bool dirty;   /* on srv->dirty */
+	bool reading; /* uv_read_start is in effect */
+	bool paused;  /* over max_output_bytes: neither read nor served */
+	bool eof;     /* the client closed its side: answer what is left, then close */
+	bool closing; /* uv_close called */
+	char *held;   /* a line waiting for a restore from DynamoDB (owned) */
 	size_t held_len;
 };
 
@@ -159,7 +164,7 @@ static void conn_serve(struct conn *c)
 		if (ev == FRAMER_TOO_LARGE) {
 			dispatch_too_large_line(d, &c->out);
 		} else if (dispatch_line(d, line, len, &c->out, c, DISPATCH_REMOTE_CHECK) ==
-			   DISPATCH_WAIT) {
+		           DISPATCH_WAIT) {
 			/* Keep the line; the answers after it wait for it (in order). */
 			c->held = malloc(len ? len : 1);
 			if (!c->held) {
@@ -318,14 +323,92 @@ static void refuse(struct server *s, struct conn *c)
 {
 	char msg[160];
 	int n = snprintf(msg, sizeof(msg),
-			 "{\"ok\":false,\"error\":{\"code\":\"unavailable\",\"message\":\"too "
-			 "many connections (limit %zu); retry later\"}}\n",
-			 s->cfg->max_connections);
+	                 "{\"ok\":false,\"error\":{\"code\":\"unavailable\",\"message\":\"too "
+	                 "many connections (limit %zu); retry later\"}}\n",
+	                 s->cfg->max_connections);
 	uv_buf_t b = uv_buf_init(msg, (unsigned int)n);
 
 	/* Best effort: a fresh socket's buffer takes one short line. */
 	uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
 	s->dispatch->stats.connections_refused++;
+	conn_close(c);
+}
+
+static bool gid_listed(const struct config *cfg, gid_t gid)
+{
+	for (size_t i = 0; i < cfg->nallow_gids; i++)
+		if (cfg->allow_gids[i] == gid)
+			return true;
+	return false;
+}
+
+/* Is one of the peer's supplementary groups (as they were at connect time) allowed?
+ * Kernels without SO_PEERGROUPS (before 4.13): only the primary group counts. */
+static bool peer_groups_allowed(const struct config *cfg, int fd)
+{
+	gid_t small[64], *groups = small;
+	socklen_t len = sizeof(small);
+	bool ok = false;
+
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0) {
+		if (errno != ERANGE || len == 0 || len > PEER_GROUPS_MAX * sizeof(gid_t))
+			return false;
+		groups = malloc(len);
+		if (!groups || getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0)
+			goto out;
+	}
+	for (size_t i = 0; i < len / sizeof(gid_t) && !ok; i++)
+		ok = gid_listed(cfg, groups[i]);
+out:
+	if (groups != small)
+		free(groups);
+	return ok;
+}
+
+/* The allow-list: only what is listed (uid 0 included). Unknown credentials are refused. */
+static bool peer_allowed(const struct server *s, int fd, struct ucred *cr)
+{
+	const struct config *cfg = s->cfg;
+	socklen_t len = sizeof(*cr);
+
+	cr->pid = 0;
+	cr->uid = (uid_t)-1;
+	cr->gid = (gid_t)-1;
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, cr, &len) < 0) {
+		log_msg(LOG_WARN, "server", "SO_PEERCRED: %s", strerror(errno));
+		return false;
+	}
+	if (config_peer_allowed(cfg, cr->uid, cr->gid))
+		return true;
+	return cfg->nallow_gids > 0 && peer_groups_allowed(cfg, fd);
+}
+
+/* Reads (and drops) what the client already sent, so that closing does not turn the
+ * error line into a reset: a Unix socket closed over unread data resets its peer. */
+static void discard_input(int fd)
+{
+	char scratch[4096];
+	for (int i = 0; i < 16; i++)
+		if (recv(fd, scratch, sizeof(scratch), MSG_DONTWAIT) <= 0)
+			break;
+}
+
+static void deny(struct server *s, struct conn *c, int fd, const struct ucred *cr)
+{
+	char msg[200];
+	int n = snprintf(msg, sizeof(msg),
+	                 "{\"ok\":false,\"error\":{\"code\":\"unavailable\",\"message\":"
+	                 "\"permission denied: uid %u is not allowed to use this daemon\"}}\n",
+	                 (unsigned int)cr->uid);
+	uv_buf_t b = uv_buf_init(msg, (unsigned int)n);
+
+	log_msg(LOG_WARN, "server",
+	        "refused connection from pid %ld uid %u gid %u: not in the "
+	        "allow-list",
+	        (long)cr->pid, (unsigned int)cr->uid, (unsigned int)cr->gid);
+	discard_input(fd);
+	uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
+	s->dispatch->stats.connections_denied++;
 	conn_close(c);
 }
 
@@ -359,6 +442,19 @@ static void on_connection(uv_stream_t *ls, int status)
 		conn_close(c);
 		return;
 	}
+	if (s->cfg->nallow_uids > 0 || s->cfg->nallow_gids > 0) {
+		struct ucred cr;
+		uv_os_fd_t fd;
+
+		if (uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0) {
+			conn_close(c);
+			return;
+		}
+		if (!peer_allowed(s, fd, &cr)) {
+			deny(s, c, fd, &cr);
+			return;
+		}
+	}
 	if (s->nconns > s->cfg->max_connections) {
 		refuse(s, c);
 		return;
@@ -379,7 +475,7 @@ static int prepare_socket_path(const char *path)
 		return errno == ENOENT ? 0 : -errno;
 	if (!S_ISSOCK(st.st_mode)) {
 		log_msg(LOG_ERROR, "server", "%s exists and is not a socket; not replacing it",
-			path);
+		        path);
 		return -EEXIST;
 	}
 	if (strlen(path) >= sizeof(sa.sun_path))
@@ -402,23 +498,164 @@ static int prepare_socket_path(const char *path)
 	return 0;
 }
 
-int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
-		 struct dispatch *dispatch)
+/* "path", "@abstract" or "unnamed" for the socket's own address. */
+static void socket_describe(int fd, char *out, size_t size)
 {
+	struct sockaddr_un sa;
+	socklen_t len = sizeof(sa);
+	size_t n;
+
+	memset(&sa, 0, sizeof(sa));
+	if (getsockname(fd, (struct sockaddr *)&sa, &len) < 0 ||
+	    len <= offsetof(struct sockaddr_un, sun_path)) {
+		snprintf(out, size, "an unnamed socket");
+		return;
+	}
+	n = len - offsetof(struct sockaddr_un, sun_path);
+	if (sa.sun_path[0] == '\0')
+		snprintf(out, size, "@%.*s", (int)(n - 1), sa.sun_path + 1);
+	else
+		snprintf(out, size, "%.*s", (int)strnlen(sa.sun_path, n), sa.sun_path);
+}
+
+/* fd must be a listening Unix stream socket: anything else is a unit misconfiguration. */
+static int activation_check(int fd)
+{
+	int type = 0, listening = 0, domain = 0;
+	socklen_t len = sizeof(int);
+	struct stat st;
+
+	if (fstat(fd, &st) < 0)
+		return -errno;
+	if (!S_ISSOCK(st.st_mode))
+		return -ENOTSOCK;
+	if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) < 0)
+		return -errno;
+	len = sizeof(int);
+	if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) < 0)
+		return -errno;
+	len = sizeof(int);
+	if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) < 0)
+		return -errno;
+	if (domain != AF_UNIX || type != SOCK_STREAM)
+		return -EAFNOSUPPORT;
+	if (!listening)
+		return -EINVAL;
+	return 0;
+}
+
+static int parse_positive_long(const char *str, long *out)
+{
+	char *end = NULL;
+	long v;
+
+	if (!str || *str < '0' || *str > '9')
+		return -EINVAL;
+	errno = 0;
+	v = strtol(str, &end, 10);
+	if (errno || *end)
+		return -EINVAL;
+	*out = v;
+	return 0;
+}
+
+int server_take_activation(int *out)
+{
+	const char *pid_s = getenv("LISTEN_PID"), *fds_s = getenv("LISTEN_FDS");
+	long pid, n;
+	int rc = 0;
+
+	*out = -1;
+	if (!pid_s || !fds_s)
+		goto out;
+	if (parse_positive_long(pid_s, &pid) < 0 || pid != (long)getpid()) {
+		log_msg(LOG_DEBUG, "server",
+		        "LISTEN_PID=%s is not this process: ignoring LISTEN_FDS", pid_s);
+		goto out;
+	}
+	if (parse_positive_long(fds_s, &n) < 0 || n > 1024) {
+		log_msg(LOG_ERROR, "server", "socket activation: LISTEN_FDS=%s is not a count",
+		        fds_s);
+		rc = -EINVAL;
+		goto out;
+	}
+	if (n == 0)
+		goto out;
+	for (long i = 1; i < n; i++) {
+		log_msg(LOG_WARN, "server",
+		        "socket activation: ignoring (closing) passed fd %ld; only the first "
+		        "socket is used",
+		        LISTEN_FDS_START + i);
+		close((int)(LISTEN_FDS_START + i));
+	}
+	rc = activation_check(LISTEN_FDS_START);
+	if (rc < 0) {
+		log_msg(
+		    LOG_ERROR, "server",
+		    "socket activation: fd %d is not a listening Unix stream socket (%s); check "
+		    "the socket unit (ListenStream= with a path)",
+		    LISTEN_FDS_START, strerror(-rc));
+		close(LISTEN_FDS_START);
+		goto out;
+	}
+	if (fcntl(LISTEN_FDS_START, F_SETFD, FD_CLOEXEC) < 0 ||
+	    fcntl(LISTEN_FDS_START, F_SETFL, fcntl(LISTEN_FDS_START, F_GETFL) | O_NONBLOCK) < 0) {
+		rc = -errno;
+		log_msg(LOG_ERROR, "server", "socket activation: fd %d: %s", LISTEN_FDS_START,
+		        strerror(-rc));
+		close(LISTEN_FDS_START);
+		goto out;
+	}
+	*out = LISTEN_FDS_START;
+out:
+	/* Never inherited by anything this process starts. */
+	unsetenv("LISTEN_PID");
+	unsetenv("LISTEN_FDS");
+	unsetenv("LISTEN_FDNAMES");
+	return rc;
+}
+
+/* The passed socket: already bound and listening; the file is systemd's, not ours. */
+static int listen_activated(struct server *s, int fd)
+{
+	char where[sizeof(((struct sockaddr_un *)0)->sun_path) + 2];
+	int rc;
+
+	socket_describe(fd, where, sizeof(where));
+	uv_pipe_init(s->loop, &s->listener, 0);
+	s->listener.data = s;
+	rc = uv_pipe_open(&s->listener, fd);
+	if (rc < 0)
+		close(fd);
+	/* listen() again only sets the backlog; the kernel caps it at net.core.somaxconn. */
+	if (rc == 0)
+		rc = uv_listen((uv_stream_t *)&s->listener, SOMAXCONN, on_connection);
+	if (rc < 0) {
+		log_msg(LOG_ERROR, "server", "cannot listen on the passed socket %s: %s", where,
+		        uv_strerror(rc));
+		uv_close((uv_handle_t *)&s->listener, NULL);
+		return rc;
+	}
+	s->activated = true;
+	log_msg(LOG_INFO, "server",
+	        "listening on %s (socket activation: passed by the service "
+	        "manager)",
+	        where);
+	return 0;
+}
+
+static int listen_path(struct server *s)
+{
+	const struct config *cfg = s->cfg;
 	mode_t old_mask;
 	int rc;
 
-	memset(s, 0, sizeof(*s));
-	s->loop = loop;
-	s->cfg = cfg;
-	s->dispatch = dispatch;
-	dispatch->on_ready = on_restore_ready;
 	rc = prepare_socket_path(cfg->socket_path);
 	if (rc < 0) {
 		log_msg(LOG_ERROR, "server", "cannot use %s: %s", cfg->socket_path, strerror(-rc));
 		return rc;
 	}
-	uv_pipe_init(loop, &s->listener, 0);
+	uv_pipe_init(s->loop, &s->listener, 0);
 	s->listener.data = s;
 	/* Create the file with no access for others from the start, then set 0660 exactly. */
 	old_mask = umask(0177);
@@ -433,12 +670,30 @@ int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
 		rc = uv_listen((uv_stream_t *)&s->listener, 511, on_connection);
 	if (rc < 0) {
 		log_msg(LOG_ERROR, "server", "cannot listen on %s: %s", cfg->socket_path,
-			uv_strerror(rc));
+		        uv_strerror(rc));
 		if (s->socket_created)
 			unlink(cfg->socket_path);
+		s->socket_created = false;
 		uv_close((uv_handle_t *)&s->listener, NULL);
 		return rc;
 	}
+	log_msg(LOG_INFO, "server", "listening on %s (created by convod)", cfg->socket_path);
+	return 0;
+}
+
+int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
+                 struct dispatch *dispatch, int listen_fd)
+{
+	int rc;
+
+	memset(s, 0, sizeof(*s));
+	s->loop = loop;
+	s->cfg = cfg;
+	s->dispatch = dispatch;
+	dispatch->on_ready = on_restore_ready;
+	rc = listen_fd >= 0 ? listen_activated(s, listen_fd) : listen_path(s);
+	if (rc < 0)
+		return rc;
 	s->listening = true;
 	uv_check_init(loop, &s->turn);
 	s->turn.data = s;
@@ -448,7 +703,10 @@ int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
 	uv_prepare_start(&s->turn_before_poll, on_before_poll);
 	uv_timer_init(loop, &s->deadline);
 	s->deadline.data = s;
-	log_msg(LOG_INFO, "server", "listening on %s", cfg->socket_path);
+	if (cfg->nallow_uids > 0 || cfg->nallow_gids > 0)
+		log_msg(LOG_INFO, "server",
+		        "allow-list: %zu uid(s), %zu gid(s); others are refused", cfg->nallow_uids,
+		        cfg->nallow_gids);
 	return 0;
 }
 

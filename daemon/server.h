@@ -14,28 +14,40 @@
 struct conn;
 
 struct server {
-	uv_loop_t *loop;                /* borrowed */
-	const struct config *cfg;       /* borrowed */
-	struct dispatch *dispatch;      /* borrowed */
+	uv_loop_t *loop;           /* borrowed */
+	const struct config *cfg;  /* borrowed */
+	struct dispatch *dispatch; /* borrowed */
 	uv_pipe_t listener;
-	uv_check_t turn;                /* end of a loop turn: commit, then write */
-	uv_prepare_t turn_before_poll;  /* same, for answers made outside the poll phase */
-	uv_timer_t deadline;            /* bounds a graceful stop */
-	struct conn *conns;             /* every open connection */
-	struct conn *dirty;             /* connections with answers waiting for the commit */
+	uv_check_t turn;               /* end of a loop turn: commit, then write */
+	uv_prepare_t turn_before_poll; /* same, for answers made outside the poll phase */
+	uv_timer_t deadline;           /* bounds a graceful stop */
+	struct conn *conns;            /* every open connection */
+	struct conn *dirty;            /* connections with answers waiting for the commit */
 	size_t nconns;
-	int handles_open;               /* while stopping: handles whose close is pending */
+	int handles_open; /* while stopping: handles whose close is pending */
 	bool listening, stopping, socket_created;
+	bool activated;                       /* the socket came from the service manager */
 	void (*on_stopped)(struct server *s); /* called once every handle is closed */
 };
 
-/* Binds cfg->socket_path (mode 0660 whatever the umask; a stale socket file is replaced,
- * a live one or a non-socket file is an error) and starts accepting. 0 or -errno, after
- * logging why. */
-int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
-		 struct dispatch *dispatch);
+/* Socket activation: when LISTEN_PID is this process and LISTEN_FDS >= 1, *fd is the
+ * passed listening socket (fd 3, made close-on-exec and non-blocking; further ones are
+ * closed) and the caller owns it until server_start; else *fd is -1. Always removes
+ * LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES from the environment: call it before any thread
+ * starts. 0, or -errno after logging why (fd 3 is not a listening Unix stream socket,
+ * LISTEN_FDS is unreadable). */
+int server_take_activation(int *fd);
 
-/* Graceful stop: stop accepting, remove the socket file, answer every complete line
+/* Starts accepting. listen_fd >= 0: a socket from server_take_activation, owned by the
+ * server from now on (closed on failure too); the socket file is the service manager's and
+ * is never created, chmod-ed nor removed. listen_fd -1: binds cfg->socket_path (mode 0660
+ * whatever the umask; a stale socket file is replaced, a live one or a non-socket file is
+ * an error). cfg's allow-list (allow_uids, allow_gids), when not empty, is checked for
+ * every connection with SO_PEERCRED. 0 or -errno, after logging why. */
+int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
+                 struct dispatch *dispatch, int listen_fd);
+
+/* Graceful stop: stop accepting, remove the socket file it created, answer every complete line
  * already read, write the answers, close each connection, then call on_stopped. A second
  * call closes every connection at once. */
 void server_stop(struct server *s, void (*on_stopped)(struct server *s));

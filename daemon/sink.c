@@ -1025,6 +1025,24 @@ void sink_kick(struct sink *s)
 		pump(s);
 }
 
+int sink_reconfigure(struct sink *s, const struct sink_config *cfg)
+{
+	if (!s)
+		return 0;
+	if (!cfg || cfg->batch_items < 1 || cfg->batch_items > DDBITEM_BATCH_MAX ||
+	    cfg->retry_base_ms < 1 || cfg->retry_max_ms < cfg->retry_base_ms ||
+	    cfg->spool_max_items < 1)
+		return -EINVAL;
+	s->cfg.retry_base_ms = cfg->retry_base_ms;
+	s->cfg.retry_max_ms = cfg->retry_max_ms;
+	s->cfg.batch_items = cfg->batch_items;
+	s->cfg.spool_max_items = cfg->spool_max_items;
+	s->cfg.expires_days = cfg->expires_days;
+	/* A larger batch may take what is ready now. */
+	pump(s);
+	return 0;
+}
+
 /* --- stats ------------------------------------------------------------------------------ */
 
 static int cmp_u32(const void *a, const void *b)

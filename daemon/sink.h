@@ -100,6 +100,12 @@ json_t *sink_stats_sink(struct sink *s);
  * -ENOKEY (no credentials found) or another -errno of awsconf_load; the old ones stay. */
 int sink_reload_credentials(struct sink *s);
 
+/* Applies the settings a reload may change: retry_base_ms, retry_max_ms, batch_items,
+ * spool_max_items and expires_days of cfg (the others are fixed at sink_new and ignored).
+ * Entries already waiting keep the delay they drew; new backoffs and batches follow the new
+ * caps. 0 (also for NULL s), or -EINVAL (out of range, as for sink_new) changing nothing. */
+int sink_reconfigure(struct sink *s, const struct sink_config *cfg);
+
 /* Restoring a conversation from DynamoDB: Query on the partition, every page, then
  * cb(arg, 0, items) with the items as a JSON array (borrowed during the callback) in sort-key
  * order, or cb(arg, -errno, NULL) on failure: -EIO or -ETIMEDOUT (still failing after 4

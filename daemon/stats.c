@@ -29,11 +29,12 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 		json_object_set_new(by_code, error_code_str((enum error_code)i),
 		                    json_integer((json_int_t)s->errors_by_code[i]));
 	return json_pack(
-	    "{s:s, s:I, s:{s:I, s:I, s:I}, s:I, s:I, s:{s:I, s:o}, s:{s:I, s:o},"
+	    "{s:s, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I, s:{s:I, s:o}, s:{s:I, s:o},"
 	    " s:I, s:{s:I, s:I, s:n}, s:{s:s, s:I, s:I, s:I, s:I, s:I, s:n, s:{s:n, s:n, s:n}}}",
 	    "version", CONVOD_VERSION, "uptime_ms", (json_int_t)(now_ms - s->started_ms),
 	    "connections", "current", (json_int_t)s->connections_current, "accepted",
 	    (json_int_t)s->connections_accepted, "refused", (json_int_t)s->connections_refused,
+	    "denied", (json_int_t)s->connections_denied,
 	    "conversations", (json_int_t)s->conversations, "messages", (json_int_t)s->messages,
 	    "requests", "total", (json_int_t)s->requests_total, "by_op", by_op, "errors", "total",
 	    (json_int_t)s->errors_total, "by_code", by_code, "flushed", (json_int_t)s->flushed,
@@ -49,6 +50,7 @@ static bool prom_is_counter(const char *name)
 	static const char *const counters[] = {
 	    "convod_connections_accepted",
 	    "convod_connections_refused",
+	    "convod_connections_denied",
 	    "convod_requests_total",
 	    "convod_errors_total",
 	    "convod_requests_by_op_total",

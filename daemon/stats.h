@@ -13,6 +13,7 @@ struct stats {
 	uint64_t connections_current;
 	uint64_t connections_accepted;
 	uint64_t connections_refused;
+	uint64_t connections_denied; /* refused by the uid/gid allow-list */
 	uint64_t requests_total;
 	uint64_t requests_by_op[OP_COUNT];
 	uint64_t errors_total;

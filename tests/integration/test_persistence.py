@@ -535,7 +535,10 @@ def test_faults_lose_nothing(faultproxy, dynalite, ddb_table, fault, daemon_fact
     c.ok({"op": "flush"})
     st = wait_drained(c, timeout=40 if fault == "hang" else 20)
     assert faultproxy.count(fault) >= 1, faultproxy.counts
-    assert faultproxy.pending == 0, "not every injected fault was met"
+    if fault != "slow":
+        # A failure is retried until it goes through, so each injected one is met; a slow
+        # answer is a success, and the flusher may need fewer calls than faults queued.
+        assert faultproxy.pending == 0, "not every injected fault was met"
     views = table_matches_daemon(dynalite, ddb_table, c, convs)
     assert_acked_present(c, acked)
     sink = st["sink"]
