@@ -33,6 +33,7 @@ struct daemon {
 	uv_signal_t sighup;
 	uv_timer_t flush_timer;
 	int signals_seen;
+	bool draining; /* sink_close has been called with on_sink_closed */
 	int exit_code;
 	int listen_fd; /* passed by the service manager, until server_start owns it; or -1 */
 };
@@ -96,10 +97,12 @@ static void on_stopped(struct server *s)
 	if (d->sink && sink_remote(d->sink) && d->signals_seen < 2)
 		notify_status("Stopping: sending the spool (up to %llu ms)",
 			      (unsigned long long)d->cfg.drain_ms);
-	if (d->sink)
+	if (d->sink) {
+		d->draining = true;
 		sink_close(d->sink, d->signals_seen > 1 ? 0 : d->cfg.drain_ms, on_sink_closed, d);
-	else
+	} else {
 		on_sink_closed(d);
+	}
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -112,6 +115,10 @@ static void on_signal(uv_signal_t *h, int signum)
 		d->signals_seen == 1 ? "stopping (answering what was read, then flushing)"
 				     : "stopping now");
 	server_stop(&d->server, on_stopped);
+	/* A second signal while the flusher drains: stop waiting for it (the spool keeps
+	 * what is unsent for the next start). */
+	if (d->signals_seen > 1 && d->sink && d->draining)
+		sink_close(d->sink, 0, NULL, NULL);
 }
 
 /* The sink's share of the settings (the table is set by the caller). */

@@ -1576,8 +1576,15 @@ static void on_close_timer(uv_timer_t *t)
 
 void sink_close(struct sink *s, uint64_t deadline_ms, void (*on_closed)(void *arg), void *arg)
 {
-	if (!s || s->closing)
+	if (!s)
 		return;
+	if (s->closing) {
+		/* Already draining: a deadline of 0 (a second SIGTERM) ends the drain now; what
+		 * is unsent stays in the spool. Harmless once the close has started. */
+		if (deadline_ms == 0)
+			uv_timer_start(&s->close_timer, on_close_timer, 0, 0);
+		return;
+	}
 	s->closing = true;
 	s->on_closed = on_closed;
 	s->closed_arg = arg;

@@ -119,8 +119,9 @@ int sink_query(struct sink *s, const char *conv, size_t conv_len, sink_query_cb 
 /* Stops: keeps sending for up to deadline_ms while entries remain (nothing new is taken),
  * then cancels what is in flight (it stays in the spool for the next start), ends pending
  * queries and table creation with -ECANCELED, closes every handle and calls on_closed(arg)
- * from a close callback after freeing s. A second call does nothing; accepts NULL (then
- * on_closed is not called). */
+ * from a close callback after freeing s. A second call with deadline_ms 0 ends a drain in
+ * progress at once (its other arguments are ignored); any other second call does nothing.
+ * Accepts NULL (then on_closed is not called). */
 void sink_close(struct sink *s, uint64_t deadline_ms, void (*on_closed)(void *arg), void *arg);
 
 /* Creates the table (CreateTable, on-demand) and waits until it is ACTIVE (DescribeTable

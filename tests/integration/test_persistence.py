@@ -26,6 +26,7 @@ exist; otherwise each stop waits out --drain-ms against a deleted table.
 import decimal
 import json
 import os
+import signal
 import sqlite3
 import time
 
@@ -938,3 +939,79 @@ def test_sigterm_flushes_last_messages(dynalite, ddb_table, daemon_factory):
     for conv, maps in views.items():
         wait_table_matches(dynalite, ddb_table, conv, maps, [merged_version(m) for m in maps],
                            timeout=5)
+
+
+# --- shutdown under load (issue 4) -----------------------------------------------------------
+
+
+def _writer(d, convs, acked, stop):
+    """Adds messages until the daemon goes away; records only acknowledged ones."""
+    try:
+        c = d.connect(timeout=10)
+        i = 0
+        while not stop.is_set():
+            conv = convs[i % len(convs)]
+            role = "user" if (i // len(convs)) % 2 == 0 else "assistant"
+            text = "load %s %d %s" % (conv, i, role)
+            r = c.request({"op": "add_message", "conversation": conv, "role": role,
+                           "contents": text})
+            if not r.get("ok"):
+                break
+            acked.append((conv, text, r["result"]["message"]["id"]))
+            i += 1
+    except (OSError, EOFError, ValueError):
+        pass
+
+
+def test_sigterm_during_load_keeps_everything(faultproxy, dynalite, ddb_table, daemon_factory):
+    """SIGTERM while a client adds messages and DynamoDB answers slowly: exit 0, and every
+    acknowledged message is in DynamoDB or in the spool (a restart sends the rest)."""
+    import threading
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, ["--drain-ms", "500"])
+    faultproxy.push("slow", n=50, op="BatchWriteItem", ms=400)
+    convs = ["term-%d" % k for k in range(4)]
+    acked, stop = [], threading.Event()
+    t = threading.Thread(target=_writer, args=(d, convs, acked, stop))
+    t.start()
+    wait_until(lambda: len(acked) >= 200, 20, "200 acknowledged adds")
+    d.signal(signal.SIGTERM)
+    t.join(30)
+    stop.set()
+    assert not t.is_alive()
+    rc = d.proc.wait(30)
+    assert rc == 0, d.log()
+    assert acked, "the writer was acknowledged before the signal"
+    faultproxy.clear()
+    d.start()
+    c = d.connect()
+    assert_acked_present(c, acked)
+    c.ok({"op": "flush"})
+    wait_drained(c, timeout=30)
+    table_matches_daemon(dynalite, ddb_table, c, convs)
+
+
+def test_second_sigterm_skips_the_drain(faultproxy, dynalite, ddb_table, daemon_factory):
+    """With DynamoDB down, the first SIGTERM waits up to --drain-ms for the flusher; a second
+    one exits at once, still with status 0 and with the unsent writes kept in the spool."""
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, ["--drain-ms", "60000"])
+    c = d.connect()
+    faultproxy.set_down(True)
+    convs = ["second-%d" % k for k in range(2)]
+    acked = drive_conversations(c, convs, 3)
+    c.ok({"op": "flush"})
+    assert stats(c)["spool"]["items"] > 0
+    d.signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert d.proc.poll() is None, "the first SIGTERM waits for the flusher to drain"
+    t0 = time.time()
+    d.signal(signal.SIGTERM)
+    rc = d.proc.wait(15)
+    assert rc == 0, d.log()
+    assert time.time() - t0 < 5, "the second SIGTERM does not wait for the drain"
+    assert ddb.scan_all(dynalite, ddb_table) == []
+    faultproxy.set_down(False)
+    d.start()
+    c = d.connect()
+    assert_acked_present(c, acked)
+    wait_drained(c, timeout=30)
+    table_matches_daemon(dynalite, ddb_table, c, convs)
