@@ -102,6 +102,10 @@ static const struct setting settings[] = {
      "closed conversations kept locally", NULL},
     {"drain-ms", NULL, T_U64, F(drain_ms), 0, 0, 3600000, true, 0, "MS",
      "at shutdown, time left to send the spool", NULL},
+    {"connect-timeout-ms", NULL, T_U64, F(connect_timeout_ms), 0, 1, 600000, false, 0, "MS",
+     "DynamoDB connection timeout", NULL},
+    {"request-timeout-ms", NULL, T_U64, F(request_timeout_ms), 0, 1, 600000, false, 0, "MS",
+     "DynamoDB request timeout, connection included", NULL},
 };
 
 #undef F
@@ -162,6 +166,8 @@ void config_defaults(struct config *cfg)
 	cfg->expires_days = 0;
 	cfg->closed_retention_days = 30;
 	cfg->drain_ms = 5000;
+	cfg->connect_timeout_ms = 3000;
+	cfg->request_timeout_ms = 10000;
 }
 
 void config_free(struct config *cfg)

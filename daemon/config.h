@@ -51,6 +51,8 @@ struct config {
 	uint32_t expires_days;          /* DynamoDB TTL attribute; 0 = none */
 	uint32_t closed_retention_days; /* closed conversations kept in the local store */
 	uint64_t drain_ms;              /* at shutdown, how long the flusher may keep sending */
+	uint64_t connect_timeout_ms;    /* DynamoDB: connect (restart to change) */
+	uint64_t request_timeout_ms;    /* DynamoDB: a whole request (restart to change) */
 	bool create_table;
 
 	/* Bookkeeping: per setting (in the order of config_setting_key), where its value came

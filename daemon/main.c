@@ -130,6 +130,8 @@ static void sink_config_from(const struct config *cfg, struct sink_config *sc)
 	sc->retry_max_ms = cfg->retry_max_ms;
 	sc->spool_max_items = cfg->spool_max_items;
 	sc->expires_days = cfg->expires_days;
+	sc->connect_timeout_ms = (long)cfg->connect_timeout_ms;
+	sc->request_timeout_ms = (long)cfg->request_timeout_ms;
 }
 
 /* SIGHUP: rereads the config file, applies the flags over it again, and applies what may

@@ -24,7 +24,8 @@ ALL_KEYS = ["socket", "state-dir", "max-line-bytes", "max-output-bytes", "max-co
             "max-conversation-id-bytes", "allow-uids", "allow-gids", "log-level", "log-format",
             "durability", "memory-only", "dynamodb-table", "create-table", "flush-interval",
             "idle-ms", "batch-items", "retry-base-ms", "retry-max-ms", "spool-max-items",
-            "expires-days", "closed-retention-days", "drain-ms"]
+            "expires-days", "closed-retention-days", "drain-ms", "connect-timeout-ms",
+            "request-timeout-ms"]
 
 
 def no_sanitizer_report(text):
