@@ -524,7 +524,9 @@ static int parse_value(char *v, char **out)
 		v++;
 	}
 	for (p = v; *p; p++) {
-		if ((unsigned char)*p < 0x20 || *p == 0x7f)
+		/* There is no escape: a '"' may only surround the whole value (so that every
+		 * value --check-config prints reads back the same). */
+		if ((unsigned char)*p < 0x20 || *p == 0x7f || *p == '"')
 			return -EINVAL;
 	}
 	*out = v;
@@ -604,7 +606,7 @@ int config_parse_text(struct config *cfg, const char *name, const char *text, si
 		}
 		seen[i] = lineno;
 		if (parse_value(p, &value) < 0) {
-			set_err(err, errsize, "%s: control character in the value", where);
+			set_err(err, errsize, "%s: control character or inner double quote in the value (a double quote may only surround the whole value)", where);
 			return -EINVAL;
 		}
 		rc = config_set(cfg, key, value, CONFIG_SRC_FILE, lineno, where, err, errsize);
@@ -999,7 +1001,8 @@ static bool setting_equal(const struct config *a, const struct config *b, size_t
 
 void config_print(const struct config *cfg, FILE *f)
 {
-	char value[1024];
+	/* Room for the longest line a file may hold, and for a path given as a flag. */
+	static char value[CONFIG_MAX_LINE_BYTES + 8192];
 
 	fprintf(f, "# convod %s: effective settings (defaults, then %s%s, then flags)\n",
 	        CONVOD_VERSION, cfg->file ? "the file " : "no config file",

@@ -531,12 +531,44 @@ static void mark_answer(struct dispatch *d, struct buf *out, size_t start, const
 	d->nmarks++;
 }
 
+/* Makes msg valid UTF-8 in place: a message may quote request bytes, or be cut by the
+ * fixed-size buffer in the middle of a character. Invalid or cut sequences become '?'. */
+static void utf8_sanitize(char *msg)
+{
+	unsigned char *p = (unsigned char *)msg;
+
+	while (*p) {
+		size_t n = *p < 0x80             ? 1
+		           : (*p & 0xe0) == 0xc0 ? 2
+		           : (*p & 0xf0) == 0xe0 ? 3
+		           : (*p & 0xf8) == 0xf0 ? 4
+		                                 : 0;
+		bool ok = n > 0 && !(n == 2 && *p < 0xc2) && !(n == 4 && *p > 0xf4);
+		for (size_t i = 1; ok && i < n; i++)
+			ok = (p[i] & 0xc0) == 0x80;
+		/* Overlong 3- and 4-byte forms and surrogates. */
+		if (ok && n == 3 && ((*p == 0xe0 && p[1] < 0xa0) || (*p == 0xed && p[1] >= 0xa0)))
+			ok = false;
+		if (ok && n == 4 && ((*p == 0xf0 && p[1] < 0x90) || (*p == 0xf4 && p[1] >= 0x90)))
+			ok = false;
+		if (!ok) {
+			*p++ = '?';
+			continue;
+		}
+		p += n;
+	}
+}
+
 /* Writes {"id":ID,"ok":false,"error":{...}}; id may be NULL (left out). */
 static void answer_error(struct dispatch *d, struct buf *out, const json_t *id, enum op op,
                          const struct error *err)
 {
-	json_t *e = json_pack("{s:{s:s, s:s}}", "error", "code", error_code_str(err->code),
-	                      "message", err->message);
+	struct error clean = *err;
+	json_t *e;
+
+	utf8_sanitize(clean.message);
+	e = json_pack("{s:{s:s, s:s}}", "error", "code", error_code_str(clean.code), "message",
+	              clean.message);
 	size_t mark = out->len;
 
 	stats_request(&d->stats, op, err->code);
@@ -565,9 +597,16 @@ oom:
 	json_decref(e);
 	out->len = mark;
 	{
-		static const char fixed[] = "{\"ok\":false,\"error\":{\"code\":\"internal\","
+		static const char fixed[] = "\"ok\":false,\"error\":{\"code\":\"internal\","
 		                            "\"message\":\"out of memory\"}}\n";
-		buf_append(out, fixed, sizeof(fixed) - 1);
+		/* Keep the id when it can still be written; the client matches answers by it. */
+		if (buf_append(out, "{", 1) < 0)
+			return;
+		if (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
+		           buf_append(out, ",", 1) < 0))
+			out->len = mark + 1;
+		if (buf_append(out, fixed, sizeof(fixed) - 1) < 0)
+			out->len = mark;
 	}
 }
 

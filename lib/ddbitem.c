@@ -1061,7 +1061,7 @@ static json_t *load_answer(const char *body, size_t len, const char *what, struc
 		error_set(err, ERR_BAD_REQUEST, "%s: no answer", what);
 		return NULL;
 	}
-	root = json_loadb(body, len, 0, &jerr);
+	root = json_loadb(body, len, JSON_ALLOW_NUL, &jerr);
 	if (!root) {
 		error_set(err, ERR_BAD_REQUEST, "%s: not JSON: %.80s", what, jerr.text);
 		return NULL;

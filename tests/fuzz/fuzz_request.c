@@ -1,0 +1,128 @@
+/* Fuzz target for the request path: each line of the input goes through daemon/dispatch.c as
+ * a connection's lines would (memory only, no sockets), with small limits so that they are
+ * hit. Every non-blank line must get exactly one answer line of valid JSON with an "ok"
+ * boolean, the request's id echoed, a result or an error of a known code (never internal:
+ * nothing fails to allocate here), and every conversation must keep the invariants of
+ * semantics.md. */
+#include <string.h>
+
+#include "buf.h"
+#include "config.h"
+#include "dispatch.h"
+#include "fuzz.h"
+#include "log.h"
+
+static bool known_code(const char *s)
+{
+	for (int c = ERR_PARSE_ERROR; c <= ERR_INTERNAL; c++)
+		if (strcmp(s, error_code_str((enum error_code)c)) == 0)
+			return true;
+	return false;
+}
+
+static bool blank(const char *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (p[i] != ' ' && p[i] != '\t' && p[i] != '\r' && p[i] != '\n')
+			return false;
+	return true;
+}
+
+static void check_convo(void *arg, struct convo *c)
+{
+	struct error err = {ERR_OK, ""};
+	(void)arg;
+	FUZZ_REQUIRE(convo_check(c, &err) == ERR_OK, "conversation %.*s: %s", (int)c->id_len, c->id,
+	             err.message);
+}
+
+/* The answer to line[0..len) is out[0..out_len). */
+static void check_answer(const char *line, size_t len, const char *out, size_t out_len)
+{
+	json_t *req, *ans, *ok, *id;
+	json_error_t jerr;
+
+	FUZZ_REQUIRE(out_len > 0 && out[out_len - 1] == '\n', "no answer line");
+	FUZZ_REQUIRE(memchr(out, '\n', out_len - 1) == NULL, "more than one answer line");
+	ans = json_loadb(out, out_len - 1, JSON_ALLOW_NUL, &jerr);
+	FUZZ_REQUIRE(ans, "the answer is not JSON: %s: %.*s", jerr.text, (int)out_len, out);
+	FUZZ_REQUIRE(json_is_object(ans), "the answer is not an object");
+	ok = json_object_get(ans, "ok");
+	FUZZ_REQUIRE(json_is_boolean(ok), "the answer has no ok boolean");
+	if (json_is_true(ok)) {
+		FUZZ_REQUIRE(json_is_object(json_object_get(ans, "result")),
+		             "an ok answer without a result object");
+		FUZZ_REQUIRE(!json_object_get(ans, "error"), "an ok answer with an error");
+	} else {
+		const json_t *e = json_object_get(ans, "error");
+		const char *code = json_string_value(json_object_get(e, "code"));
+		FUZZ_REQUIRE(json_is_object(e) && code, "an error answer without a code");
+		FUZZ_REQUIRE(known_code(code), "unknown error code %s", code);
+		FUZZ_REQUIRE(strcmp(code, "internal") != 0, "internal error: %s",
+		             json_string_value(json_object_get(e, "message")));
+		FUZZ_REQUIRE(json_is_string(json_object_get(e, "message")),
+		             "an error without a message");
+		FUZZ_REQUIRE(!json_object_get(ans, "result"), "an error answer with a result");
+	}
+	/* The id is echoed when the line was a JSON object, and only then. */
+	req = json_loadb(line, len, JSON_ALLOW_NUL, &jerr);
+	id = json_object_get(ans, "id");
+	if (json_is_object(req) && json_object_get(req, "id"))
+		FUZZ_REQUIRE(id && json_equal(id, json_object_get(req, "id")), "id not echoed");
+	else
+		FUZZ_REQUIRE(!id, "an id in the answer to a line without one");
+	json_decref(req);
+	json_decref(ans);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	static bool quiet;
+	struct config cfg;
+	struct dispatch d;
+	struct buf out = {NULL, 0, 0};
+	const char *p = (const char *)data, *end = p + size;
+
+	if (!quiet) {
+		log_set_level(LOG_ERROR);
+		quiet = true;
+	}
+	config_defaults(&cfg);
+	cfg.memory_only = true;
+	cfg.max_conversations = 8;
+	cfg.max_messages = 24;
+	cfg.max_conversation_bytes = 2048;
+	cfg.max_conversation_id_bytes = 32;
+	cfg.max_line_bytes = 4096;
+	if (dispatch_init(&d, &cfg, NULL, NULL) < 0)
+		abort();
+	while (p < end) {
+		const char *nl = memchr(p, '\n', (size_t)(end - p));
+		size_t len = nl ? (size_t)(nl - p) : (size_t)(end - p);
+		enum dispatch_result r;
+
+		if (len > 0 && p[len - 1] == '\r')
+			len--; /* as the framer hands lines over */
+		out.len = 0;
+		if (len > cfg.max_line_bytes) {
+			dispatch_too_large_line(&d, &out);
+			check_answer("", 0, out.data, out.len);
+		} else {
+			r = dispatch_line(&d, p, len, &out, NULL, DISPATCH_REMOTE_CHECK);
+			FUZZ_REQUIRE(r == DISPATCH_DONE, "a memory-only daemon waited");
+			if (blank(p, len))
+				FUZZ_REQUIRE(out.len == 0, "an answer to a blank line");
+			else
+				check_answer(p, len, out.data, out.len);
+		}
+		dispatch_commit(&d, false);
+		registry_each(&d.reg, check_convo, NULL);
+		FUZZ_REQUIRE(d.reg.count <= cfg.max_conversations, "%zu conversations (limit %zu)",
+		             d.reg.count, cfg.max_conversations);
+		p = nl ? nl + 1 : end;
+	}
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(&cfg);
+	return 0;
+}

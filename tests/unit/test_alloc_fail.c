@@ -1,0 +1,545 @@
+/* Allocation failures on the request path: a fixed script of requests goes through
+ * daemon/dispatch.c (memory only) once with every allocation succeeding, to get the right
+ * answers, then once for each N with the Nth allocation refused (malloc and friends of lib/
+ * and daemon/ through alloc_fail.h, jansson's through json_set_alloc_funcs), until a run
+ * needs no refusal. Every answer must be one valid JSON line, either the right result or
+ * an error that changed nothing (the same request sent again gives the right result):
+ * `internal` mostly, but jansson reports some of its allocation failures as syntax errors,
+ * so a `parse_error` is taken too. Every conversation must keep its invariants, and each
+ * run must free all it allocated. */
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "dispatch.h"
+#include "log.h"
+#include "test.h"
+
+/* --- the allocator --------------------------------------------------------------------- */
+
+static struct {
+	bool armed;            /* count (and maybe refuse) allocations */
+	unsigned long calls;   /* allocations while armed in this run */
+	unsigned long fail_at; /* the allocation to refuse; 0 = none */
+	bool failed;           /* it was refused during the current request */
+	long live;             /* allocations not yet freed, armed or not */
+} A;
+
+static bool refuse(void)
+{
+	if (!A.armed)
+		return false;
+	if (++A.calls != A.fail_at)
+		return false;
+	A.failed = true;
+	return true;
+}
+
+void *test_malloc(size_t n)
+{
+	void *p = refuse() ? NULL : (malloc)(n);
+	if (p)
+		A.live++;
+	return p;
+}
+
+void *test_calloc(size_t n, size_t size)
+{
+	void *p = refuse() ? NULL : (calloc)(n, size);
+	if (p)
+		A.live++;
+	return p;
+}
+
+void *test_realloc(void *old, size_t n)
+{
+	void *p;
+	if (refuse())
+		return NULL;
+	p = (realloc)(old, n);
+	if (!old && p)
+		A.live++;
+	else if (old && !p && n == 0)
+		A.live--; /* realloc(p, 0) freed it */
+	return p;
+}
+
+char *test_strdup(const char *s)
+{
+	char *p = refuse() ? NULL : (strdup)(s);
+	if (p)
+		A.live++;
+	return p;
+}
+
+char *test_strndup(const char *s, size_t n)
+{
+	char *p = refuse() ? NULL : (strndup)(s, n);
+	if (p)
+		A.live++;
+	return p;
+}
+
+void test_free(void *p)
+{
+	if (p)
+		A.live--;
+	(free)(p);
+}
+
+/* --- the script ------------------------------------------------------------------------ */
+
+enum step_kind {
+	STEP_LINE,         /* send line as is */
+	STEP_SUMMARY,      /* add_summary of what get_summary_info names now in c1 */
+	STEP_SET_METADATA, /* set_metadata on the last message of c1 */
+};
+
+struct step {
+	enum step_kind kind;
+	const char *line;
+	bool stats; /* counters differ between runs: compare the shape only */
+};
+
+static const struct step script[] = {
+    {STEP_LINE,
+     "{\"id\":0,\"op\":\"add_user\",\"conversation\":\"c1\",\"contents\":\"Hi\","
+     "\"metadata\":{\"aux\":{\"lang\":\"en\",\"n\":[1,{\"x\":2.5}]}}}",
+     false},
+    {STEP_LINE,
+     "{\"id\":1,\"op\":\"add_assistant\",\"conversation\":\"c1\",\"contents\":\"Hello!\"}", false},
+    {STEP_LINE,
+     "{\"id\":2,\"op\":\"add_assistant\",\"conversation\":\"c1\",\"contents\":[\"again\",\" \","
+     "\"and again\"]}",
+     false},
+    {STEP_LINE,
+     "{\"id\":3,\"op\":\"add_message\",\"conversation\":\"c1\",\"role\":\"user\",\"contents\":"
+     "[\"How\",\"are\",\"you\",\"doing\",\"on\",\"this\",\"fine\",\"day\",\"today?\"],"
+     "\"metadata\":{\"timing\":{\"listenStart\":5}}}",
+     false},
+    {STEP_LINE,
+     "{\"id\":4,\"op\":\"add_assistant\",\"conversation\":\"c1\",\"contents\":\"Fine.\"}", false},
+    {STEP_LINE, "{\"id\":5,\"op\":\"add_user\",\"conversation\":\"c1\",\"contents\":\"Good\"}",
+     false},
+    {STEP_LINE,
+     "{\"id\":6,\"op\":\"get_summary_info\",\"conversation\":\"c1\",\"preamble\":\"Sum:\","
+     "\"include_previous_summary\":true,\"format\":{\"prefix\":\"<\",\"closure\":\";\"}}",
+     false},
+    {STEP_SUMMARY, NULL, false},
+    {STEP_LINE,
+     "{\"id\":8,\"op\":\"add_assistant\",\"conversation\":\"c1\",\"contents\":\"After the "
+     "summary.\"}",
+     false},
+    {STEP_SET_METADATA, NULL, false},
+    {STEP_LINE, "{\"id\":10,\"op\":\"get_messages\",\"conversation\":\"c1\"}", false},
+    {STEP_LINE,
+     "{\"id\":11,\"op\":\"get_messages\",\"conversation\":\"c1\",\"format\":\"bedrock\"}", false},
+    {STEP_LINE,
+     "{\"id\":12,\"op\":\"get_messages\",\"conversation\":\"c1\",\"format\":\"anthropic\"}", false},
+    {STEP_LINE, "{\"id\":13,\"op\":\"get_messages\",\"conversation\":\"c1\",\"format\":\"openai\"}",
+     false},
+    {STEP_LINE, "{\"id\":14,\"op\":\"to_messages_map\",\"conversation\":\"c1\"}", false},
+    {STEP_LINE, "{\"id\":15,\"op\":\"add_user\",\"conversation\":\"c1\",\"contents\":\"More\"}",
+     false},
+    {STEP_LINE,
+     "{\"id\":16,\"op\":\"to_messages_map\",\"conversation\":\"c1\",\"exclude_last\":false}",
+     false},
+    {STEP_LINE,
+     "{\"id\":17,\"op\":\"to_messages_map\",\"conversation\":\"c1\",\"incremental\":false}", false},
+    {STEP_LINE, "{\"id\":18,\"op\":\"get_last_summary\",\"conversation\":\"c1\"}", false},
+    {STEP_LINE, "{\"id\":19,\"op\":\"describe\",\"conversation\":\"c1\"}", false},
+    {STEP_LINE,
+     "{\"id\":\"twenty\",\"op\":\"add_user\",\"conversation\":\"c2\",\"contents\":[\"x\",\"\","
+     "\"y\"]}",
+     false},
+    {STEP_LINE,
+     "{\"id\":[21],\"op\":\"add_assistant\",\"conversation\":\"c3\",\"contents\":\"starts "
+     "with a fake\"}",
+     false},
+    {STEP_LINE, "{\"id\":22,\"op\":\"list\"}", false},
+    {STEP_LINE, "{\"id\":23,\"op\":\"stats\"}", true},
+    {STEP_LINE, "{\"id\":24,\"op\":\"stats\",\"format\":\"prometheus\"}", true},
+    {STEP_LINE, "{\"id\":25,\"op\":\"get_summary_info\",\"conversation\":\"c1\"}", false},
+    {STEP_LINE, "{\"id\":26,\"op\":\"flush\",\"conversation\":\"c2\"}", false},
+    {STEP_LINE, "{\"id\":27,\"op\":\"close\",\"conversation\":\"c3\"}", false},
+    {STEP_LINE, "{\"id\":28,\"op\":\"get_messages\",\"conversation\":\"c3\"}", false},
+    {STEP_LINE, "{\"id\":29,\"op\":\"ping\"}", false},
+    {STEP_LINE, "{\"id\":30,\"op\":\"add_user\",", false},
+    {STEP_LINE, "{\"id\":31,\"op\":\"no_such_op\"}", false},
+    {STEP_LINE, "{\"id\":32,\"op\":\"add_user\",\"conversation\":\"c1\",\"contents\":[]}", false},
+    {STEP_LINE,
+     "{\"id\":33,\"op\":\"set_metadata\",\"conversation\":\"c1\",\"message_id\":"
+     "\"01ARZ3NDEKTSV4RRFFQ69G5FAV\",\"aux\":{\"a\":1}}",
+     false},
+    {STEP_LINE, "{\"id\":34,\"op\":\"get_messages\",\"conversation\":\"c2\",\"format\":\"openai\"}",
+     false},
+};
+#define NSTEPS (sizeof(script) / sizeof(script[0]))
+
+/* The request line of step i (built unarmed); caller frees. */
+static char *step_line(const struct step *s, size_t i, struct dispatch *d)
+{
+	struct convo *c = registry_get(&d->reg, "c1", 2);
+	json_t *req = NULL;
+	char *line;
+
+	switch (s->kind) {
+	case STEP_LINE:
+		return strdup(s->line);
+	case STEP_SUMMARY: {
+		struct summary_format f;
+		json_t *info;
+		convo_summary_format_default(&f);
+		info = c ? convo_summary_info(c, &f) : NULL;
+		req =
+		    json_pack("{s:I, s:s, s:s, s:s, s:O, s:O}", "id", (json_int_t)i, "op",
+		              "add_summary", "conversation", "c1", "contents", "They talked.",
+		              "ids", info ? json_object_get(info, "ids") : json_array(), "versions",
+		              info ? json_object_get(info, "versions") : json_array());
+		json_decref(info);
+		break;
+	}
+	case STEP_SET_METADATA:
+		req = json_pack("{s:I, s:s, s:s, s:s, s:{s:i}, s:{s:b, s:n}}", "id", (json_int_t)i,
+		                "op", "set_metadata", "conversation", "c1", "message_id",
+		                c && c->nlog ? c->log[c->nlog - 1]->id : "", "timing", "playStart",
+		                7, "aux", "stopped", 1, "lang");
+		break;
+	}
+	line = json_dumps(req, JSON_COMPACT);
+	json_decref(req);
+	return line;
+}
+
+/* --- comparing answers ----------------------------------------------------------------- */
+
+static bool ulid_char(char ch)
+{
+	return (ch >= '0' && ch <= '9') || (ch >= 'A' && ch <= 'Z');
+}
+
+/* s with every 26-character run of ULID characters replaced by "U" and every run of 10 or
+ * more digits (a time) by "T"; with all_digits, every run of digits by "N". */
+static json_t *normalize_string(const char *s, size_t len, bool all_digits)
+{
+	char *o = (malloc)(len + 1);
+	size_t n = 0;
+	json_t *r;
+
+	for (size_t i = 0; i < len;) {
+		size_t run = 0, digits = 0;
+		while (i + run < len && ulid_char(s[i + run]))
+			run++;
+		while (i + digits < len && s[i + digits] >= '0' && s[i + digits] <= '9')
+			digits++;
+		if (run == 26) {
+			o[n++] = 'U';
+			i += run;
+		} else if (digits >= 10 || (all_digits && digits)) {
+			o[n++] = all_digits ? 'N' : 'T';
+			i += digits;
+		} else {
+			o[n++] = s[i++];
+		}
+	}
+	r = json_stringn(o, n);
+	(free)(o);
+	return r;
+}
+
+/* A copy of v with ids and times (and, for stats, every number) made run-independent. */
+static json_t *normalize(const json_t *v, bool stats)
+{
+	const char *key;
+	json_t *e, *r;
+	size_t i;
+
+	switch (json_typeof(v)) {
+	case JSON_OBJECT:
+		r = json_object();
+		json_object_foreach((json_t *)v, key, e)
+		    json_object_set_new(r, key, normalize(e, stats));
+		return r;
+	case JSON_ARRAY:
+		r = json_array();
+		json_array_foreach(v, i, e) json_array_append_new(r, normalize(e, stats));
+		return r;
+	case JSON_STRING:
+		return normalize_string(json_string_value(v), json_string_length(v), stats);
+	case JSON_INTEGER:
+		if (stats || json_integer_value(v) >= 1000000000000)
+			return json_integer(0);
+		return json_integer(json_integer_value(v));
+	case JSON_REAL:
+		return json_real(stats ? 0 : json_real_value(v));
+	default:
+		return json_deep_copy(v);
+	}
+}
+
+/* Parses one answer (out[0..len)): exactly one line of JSON, an object with an "ok"
+ * boolean and a result, or an error of a known code. Returns its normalized text (caller
+ * frees) and its error code in *code (NULL for ok), or NULL when it is malformed. */
+static char *answer_text(const char *out, size_t len, bool stats, char *code, size_t code_size)
+{
+	json_t *ans, *norm;
+	json_error_t jerr;
+	char *text;
+
+	code[0] = '\0';
+	if (len == 0 || out[len - 1] != '\n' || memchr(out, '\n', len - 1)) {
+		fprintf(stderr, "not one answer line: '%.*s'\n", (int)len, out ? out : "");
+		return NULL;
+	}
+	ans = json_loadb(out, len - 1, JSON_ALLOW_NUL, &jerr);
+	if (!json_is_object(ans) || !json_is_boolean(json_object_get(ans, "ok"))) {
+		fprintf(stderr, "not a JSON answer: '%.*s'\n", (int)len, out);
+		json_decref(ans);
+		return NULL;
+	}
+	if (json_is_false(json_object_get(ans, "ok"))) {
+		const json_t *e = json_object_get(ans, "error");
+		const char *c = json_string_value(json_object_get(e, "code"));
+		bool known = false;
+		for (int k = ERR_PARSE_ERROR; c && k <= ERR_INTERNAL; k++)
+			known = known || strcmp(c, error_code_str((enum error_code)k)) == 0;
+		if (!known || !json_is_string(json_object_get(e, "message"))) {
+			fprintf(stderr, "a malformed error: '%.*s'\n", (int)len, out);
+			json_decref(ans);
+			return NULL;
+		}
+		snprintf(code, code_size, "%s", c);
+		json_object_del(json_object_get(ans, "error"), "message"); /* for people */
+	} else if (!json_is_object(json_object_get(ans, "result"))) {
+		fprintf(stderr, "an ok answer without a result: '%.*s'\n", (int)len, out);
+		json_decref(ans);
+		return NULL;
+	}
+	norm = normalize(ans, stats);
+	text = json_dumps(norm, JSON_COMPACT | JSON_SORT_KEYS);
+	json_decref(norm);
+	json_decref(ans);
+	return text;
+}
+
+/* Everything the daemon holds, as text: each conversation's maps, versions, consumers'
+ * marks and positions, in id order. */
+static void fingerprint_one(void *arg, struct convo *c)
+{
+	json_t *all = arg, *conv = json_array();
+
+	for (size_t i = 0; i < c->nlog; i++) {
+		const struct message *m = c->log[i];
+		json_array_append_new(conv, message_to_map(m));
+		json_array_append_new(conv, json_pack("[i,i,i,i,I]", (int)m->version,
+		                                      (int)m->seen[0], (int)m->seen[1],
+		                                      (int)m->seen[2], (json_int_t)m->updated_ms));
+	}
+	json_array_append_new(conv,
+	                      json_pack("[I,I,I,I,I,I,I]", (json_int_t)c->first_llm,
+	                                (json_int_t)c->last_summary, (json_int_t)c->text_bytes,
+	                                (json_int_t)c->updated_ms, (json_int_t)c->scan_from[0],
+	                                (json_int_t)c->scan_from[1], (json_int_t)c->scan_from[2]));
+	json_object_set_new(all, c->id, conv);
+}
+
+static char *fingerprint(struct dispatch *d)
+{
+	json_t *all = json_object();
+	char *s;
+	registry_each(&d->reg, fingerprint_one, all);
+	s = json_dumps(all, JSON_COMPACT | JSON_SORT_KEYS);
+	json_decref(all);
+	return s;
+}
+
+static void check_one(void *arg, struct convo *c)
+{
+	struct error err = {ERR_OK, ""};
+	int *bad = arg;
+	if (convo_check(c, &err) != ERR_OK) {
+		fprintf(stderr, "conversation %s: %s\n", c->id, err.message);
+		(*bad)++;
+	}
+}
+
+/* --- the runs -------------------------------------------------------------------------- */
+
+/* Reports a problem of run fail_at at step i: a line each (the first 40), with the texts
+ * for the first 3; problems[] counts them per step for the summary. */
+static unsigned long problems[64];
+
+static void problem(unsigned long fail_at, size_t i, const char *what, const char *got,
+                    const char *want)
+{
+	static unsigned reported;
+	if (i < 64)
+		problems[i]++;
+	reported++;
+	if (reported <= 40)
+		fprintf(stderr, "N=%lu step %zu: %s\n", fail_at, i, what);
+	if (reported <= 3)
+		fprintf(stderr, "  got:      %s\n  expected: %s\n", got ? got : "(nothing)",
+		        want ? want : "(nothing)");
+}
+
+/* The codes of the answers that a refused allocation turned into errors. */
+static unsigned long refusal_codes[ERR_INTERNAL + 1];
+
+/* Allocations of each step in the first run. */
+static unsigned long step_allocs[NSTEPS];
+
+struct outcome {
+	unsigned long allocations; /* made while armed */
+	bool refused;              /* the fail_at-th one was refused */
+	size_t errors;             /* requests answered with an error because of it */
+	size_t swallowed;          /* requests that met the refusal and still answered right */
+};
+
+/* One pass over the script with allocation fail_at refused (0: none). The first pass keeps
+ * its answers in expected[]; later passes compare with them. */
+static void run(unsigned long fail_at, char **expected, struct outcome *o)
+{
+	struct config cfg;
+	struct dispatch d;
+	struct buf out = {NULL, 0, 0};
+	long live_before = A.live;
+	bool diverged = false;
+
+	memset(o, 0, sizeof(*o));
+	config_defaults(&cfg);
+	cfg.memory_only = true;
+	CHECK(dispatch_init(&d, &cfg, NULL, NULL) == 0);
+	A.calls = 0;
+	A.fail_at = fail_at;
+	for (size_t i = 0; i < NSTEPS; i++) {
+		char *line = step_line(&script[i], i, &d), *before = NULL, *text;
+		unsigned long calls = A.calls;
+		char code[32];
+		int bad = 0;
+
+		/* The state before the request, when the refusal may fall in it (the runs
+		 * allocate as the first one did until the refusal). */
+		if (!fail_at || (fail_at > calls && fail_at <= calls + 2 * step_allocs[i] + 64))
+			before = fingerprint(&d);
+		out.len = 0;
+		A.failed = false;
+		A.armed = true;
+		dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+		dispatch_commit(&d, false);
+		A.armed = false;
+
+		registry_each(&d.reg, check_one, &bad);
+		CHECK(bad == 0);
+		text = answer_text(out.data, out.len, script[i].stats, code, sizeof(code));
+		CHECK(text != NULL);
+		if (!fail_at) {
+			/* Kept across runs: out of the count of what a run must free. */
+			expected[i] = text ? (strdup)(text) : NULL;
+		} else if (text && !A.failed) {
+			/* After a request that changed the daemon and failed, answers may differ
+			 * (that was reported); until then they must be the right ones. */
+			if (!diverged && strcmp(text, expected[i]) != 0)
+				problem(fail_at, i, "a different answer", text, expected[i]);
+			CHECK(diverged || strcmp(text, expected[i]) == 0);
+		} else if (text && strcmp(text, expected[i]) == 0) {
+			o->swallowed++;
+		} else if (text) {
+			/* The refusal made this request fail: an error, nothing changed, and the
+			 * same request again gives the right answer. */
+			char *after = fingerprint(&d), *again;
+			o->errors++;
+			if (!code[0])
+				problem(fail_at, i, "a wrong result instead of an error", text,
+				        expected[i]);
+			CHECK(code[0] != '\0');
+			for (int k = ERR_PARSE_ERROR; k <= ERR_INTERNAL; k++)
+				if (strcmp(code, error_code_str((enum error_code)k)) == 0)
+					refusal_codes[k]++;
+			CHECK(before != NULL);
+			if (before && strcmp(before, after) != 0) {
+				problem(fail_at, i, "an error answer, but the request was applied",
+				        text, line);
+				diverged = true;
+			}
+			CHECK(before && strcmp(before, after) == 0);
+			free(after);
+			out.len = 0;
+			dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+			again = answer_text(out.data, out.len, script[i].stats, code, sizeof(code));
+			if (!diverged && (!again || strcmp(again, expected[i]) != 0))
+				problem(fail_at, i, "sent again, a different answer", again,
+				        expected[i]);
+			CHECK(diverged || (again && strcmp(again, expected[i]) == 0));
+			free(again);
+		}
+		if (!fail_at)
+			step_allocs[i] = A.calls - calls;
+		if (A.failed)
+			o->refused = true;
+		free(text);
+		free(before);
+		free(line);
+	}
+	o->allocations = A.calls;
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(&cfg);
+	if (A.live != live_before)
+		fprintf(stderr, "N=%lu: %ld allocations not freed\n", fail_at,
+		        A.live - live_before);
+	CHECK(A.live == live_before);
+}
+
+int main(void)
+{
+	char *expected[NSTEPS] = {NULL};
+	struct outcome o;
+	unsigned long n, total, errors = 0, swallowed = 0, every = 1;
+
+	json_set_alloc_funcs(test_malloc, test_free);
+	log_set_level(LOG_ERROR);
+
+	run(0, expected, &o);
+	total = o.allocations;
+	CHECK(total > 100); /* the script does reach the allocating paths */
+	for (size_t i = 0; i < NSTEPS; i++)
+		CHECK(expected[i] != NULL);
+	/* The reference answers say what the script expects. */
+	CHECK(expected[2] && strstr(expected[2], "\"merged\":true"));
+	CHECK(expected[7] && strstr(expected[7], "\"ok\":true"));
+	CHECK(expected[28] && strstr(expected[28], "not_found"));
+	CHECK(expected[30] && strstr(expected[30], "parse_error"));
+
+	/* CONVOD_ALLOC_FAIL_EVERY=k tries every k-th N only (for slow runs under valgrind). */
+	if (getenv("CONVOD_ALLOC_FAIL_EVERY"))
+		every = strtoul(getenv("CONVOD_ALLOC_FAIL_EVERY"), NULL, 10);
+	if (every < 1)
+		every = 1;
+	for (n = 1;; n += every) {
+		run(n, expected, &o);
+		if (!o.refused)
+			break;
+		errors += o.errors;
+		swallowed += o.swallowed;
+	}
+	fprintf(stderr,
+	        "alloc_fail: %lu allocations in the script, refused one at a time (every %lu): "
+	        "%lu answers were errors, %lu right anyway\n",
+	        total, every, errors, swallowed);
+	for (int k = ERR_PARSE_ERROR; k <= ERR_INTERNAL; k++)
+		if (refusal_codes[k])
+			fprintf(stderr, "  %s: %lu\n", error_code_str((enum error_code)k),
+			        refusal_codes[k]);
+	for (size_t i = 0; i < NSTEPS && i < 64; i++)
+		if (problems[i])
+			fprintf(stderr, "  step %zu: %lu problems: %.80s\n", i, problems[i],
+			        script[i].line ? script[i].line : "(built from the conversation)");
+	CHECK(n > total);
+	for (size_t i = 0; i < NSTEPS; i++)
+		(free)(expected[i]);
+	return test_done("alloc_fail");
+}
