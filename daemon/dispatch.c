@@ -885,10 +885,12 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 	restore_finish(r, outcome);
 }
 
-/* Starts (or joins) the lookup of conv in DynamoDB. 0 or -errno. */
-static int restore_start(struct dispatch *d, const char *conv, size_t len, void *waiter)
+/* Starts (or joins) the wait named key[0..len): start begins the work, whose completion
+ * calls restore_finish. 0 or -errno (nothing is left behind then). */
+static int wait_join(struct dispatch *d, const char *key, size_t len, void *waiter,
+                     int (*start)(struct dispatch *d, struct restore_wait *r))
 {
-	struct restore_wait *r = restore_find(d, conv, len);
+	struct restore_wait *r = restore_find(d, key, len);
 	int rc;
 
 	if (r)
@@ -899,23 +901,34 @@ static int restore_start(struct dispatch *d, const char *conv, size_t len, void 
 	r->d = d;
 	r->conv = malloc(len + 1);
 	if (!r->conv || restore_add_waiter(r, waiter) < 0) {
-		free(r->conv);
-		free(r);
-		return -ENOMEM;
+		rc = -ENOMEM;
+		goto fail;
 	}
-	memcpy(r->conv, conv, len);
+	memcpy(r->conv, key, len);
 	r->conv[len] = '\0';
 	r->conv_len = len;
-	rc = sink_query(d->sink, conv, len, on_restore_query, r);
-	if (rc < 0) {
-		free(r->waiters);
-		free(r->conv);
-		free(r);
-		return rc;
-	}
+	rc = start(d, r);
+	if (rc < 0)
+		goto fail;
 	r->next = d->restores;
 	d->restores = r;
 	return 0;
+fail:
+	free(r->waiters);
+	free(r->conv);
+	free(r);
+	return rc;
+}
+
+static int start_query(struct dispatch *d, struct restore_wait *r)
+{
+	return sink_query(d->sink, r->conv, r->conv_len, on_restore_query, r);
+}
+
+/* Starts (or joins) the lookup of conv in DynamoDB. 0 or -errno. */
+static int restore_start(struct dispatch *d, const char *conv, size_t len, void *waiter)
+{
+	return wait_join(d, conv, len, waiter, start_query);
 }
 
 /* create_table waits like a restore, under a key no conversation id can be (ids hold no
@@ -935,35 +948,14 @@ static void on_table_created(void *arg, int status)
 	restore_finish(r, outcome);
 }
 
+static int start_create_table(struct dispatch *d, struct restore_wait *r)
+{
+	return sink_create_table(d->sink, on_table_created, r);
+}
+
 static int table_create_start(struct dispatch *d, void *waiter)
 {
-	size_t len = sizeof(table_wait_key) - 1;
-	struct restore_wait *r = restore_find(d, table_wait_key, len);
-	int rc;
-
-	if (r)
-		return restore_add_waiter(r, waiter);
-	r = calloc(1, sizeof(*r));
-	if (!r)
-		return -ENOMEM;
-	r->d = d;
-	r->conv = strdup(table_wait_key);
-	if (!r->conv || restore_add_waiter(r, waiter) < 0) {
-		free(r->conv);
-		free(r);
-		return -ENOMEM;
-	}
-	r->conv_len = len;
-	rc = sink_create_table(d->sink, on_table_created, r);
-	if (rc < 0) {
-		free(r->waiters);
-		free(r->conv);
-		free(r);
-		return rc;
-	}
-	r->next = d->restores;
-	d->restores = r;
-	return 0;
+	return wait_join(d, table_wait_key, sizeof(table_wait_key) - 1, waiter, start_create_table);
 }
 
 enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
