@@ -1137,19 +1137,25 @@ static void on_job_closed(uv_handle_t *h)
 	maybe_freed(s);
 }
 
-static void job_end(struct job *j, int status)
+/* Takes j off the sink's list of jobs. */
+static void job_unlink(struct job *j)
 {
 	struct sink *s = j->s;
 
-	if (j->ended)
-		return;
-	j->ended = true;
 	if (j->prev)
 		j->prev->next = j->next;
 	else
 		s->jobs = j->next;
 	if (j->next)
 		j->next->prev = j->prev;
+}
+
+static void job_end(struct job *j, int status)
+{
+	if (j->ended)
+		return;
+	j->ended = true;
+	job_unlink(j);
 	uv_timer_stop(&j->timer);
 	if (j->kind == JOB_QUERY)
 		j->query_cb(j->arg, status, status == 0 ? j->items : NULL);
@@ -1370,12 +1376,7 @@ int sink_query(struct sink *s, const char *conv, size_t conv_len, sink_query_cb 
 	if (!j->conv || !j->items) {
 		/* not started: end it without calling back */
 		j->ended = true;
-		if (j->prev)
-			j->prev->next = j->next;
-		else
-			s->jobs = j->next;
-		if (j->next)
-			j->next->prev = j->prev;
+		job_unlink(j);
 		uv_close((uv_handle_t *)&j->timer, on_job_closed);
 		return -ENOMEM;
 	}
