@@ -29,6 +29,8 @@ int buf_reserve(struct buf *b, size_t n)
 
 int buf_append(struct buf *b, const void *p, size_t n)
 {
+	if (n == 0)
+		return 0; /* memcpy must not see an empty buffer's NULL */
 	if (buf_reserve(b, n) < 0)
 		return -ENOMEM;
 	memcpy(b->data + b->len, p, n);
