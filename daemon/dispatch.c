@@ -958,8 +958,9 @@ static int table_create_start(struct dispatch *d, void *waiter)
 	return wait_join(d, table_wait_key, sizeof(table_wait_key) - 1, waiter, start_create_table);
 }
 
-enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
-                                   struct buf *out, void *waiter, enum dispatch_remote remote)
+static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, size_t len,
+                                         struct buf *out, void *waiter,
+                                         enum dispatch_remote remote, enum op *opp)
 {
 	json_t *req = NULL, *result = NULL;
 	const json_t *id = NULL, *opv;
@@ -991,6 +992,7 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 	opv = json_object_get(req, "op");
 	if (opv && json_is_string(opv))
 		op = ops_lookup(json_string_value(opv));
+	*opp = op;
 	code = check_conversation(d, req, ops_needs_conversation(op), &cid, &cid_len, &err);
 	if (code == ERR_TOO_LARGE)
 		goto fail;
@@ -1280,4 +1282,22 @@ fail:
 	answer_error(d, out, id, op, &err);
 	json_decref(req);
 	return DISPATCH_DONE;
+}
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
+                                   struct buf *out, void *waiter, enum dispatch_remote remote)
+{
+	enum op op = OP_UNKNOWN;
+	uint64_t t0 = mono_ns();
+	enum dispatch_result r = dispatch_one(d, line, len, out, waiter, remote, &op);
+
+	d->stats.time_ns_by_op[op] += mono_ns() - t0;
+	return r;
 }

@@ -20,23 +20,27 @@ void stats_request(struct stats *s, enum op op, enum error_code code)
 
 json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 {
-	json_t *by_op = json_object(), *by_code = json_object();
+	json_t *by_op = json_object(), *by_code = json_object(), *time_by_op = json_object();
 
-	for (int i = 0; i < OP_COUNT; i++)
+	for (int i = 0; i < OP_COUNT; i++) {
 		json_object_set_new(by_op, ops_name((enum op)i),
 		                    json_integer((json_int_t)s->requests_by_op[i]));
+		json_object_set_new(time_by_op, ops_name((enum op)i),
+		                    json_integer((json_int_t)s->time_ns_by_op[i]));
+	}
 	for (int i = ERR_PARSE_ERROR; i <= ERR_INTERNAL; i++)
 		json_object_set_new(by_code, error_code_str((enum error_code)i),
 		                    json_integer((json_int_t)s->errors_by_code[i]));
 	return json_pack(
-	    "{s:s, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I, s:{s:I, s:o}, s:{s:I, s:o},"
+	    "{s:s, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I, s:{s:I, s:o, s:o}, s:{s:I, s:o},"
 	    " s:I, s:{s:I, s:I, s:n}, s:{s:s, s:I, s:I, s:I, s:I, s:I, s:n, s:{s:n, s:n, s:n}}}",
 	    "version", CONVOD_VERSION, "uptime_ms", (json_int_t)(now_ms - s->started_ms),
 	    "connections", "current", (json_int_t)s->connections_current, "accepted",
 	    (json_int_t)s->connections_accepted, "refused", (json_int_t)s->connections_refused,
 	    "denied", (json_int_t)s->connections_denied,
 	    "conversations", (json_int_t)s->conversations, "messages", (json_int_t)s->messages,
-	    "requests", "total", (json_int_t)s->requests_total, "by_op", by_op, "errors", "total",
+	    "requests", "total", (json_int_t)s->requests_total, "by_op", by_op, "time_ns_by_op",
+	    time_by_op, "errors", "total",
 	    (json_int_t)s->errors_total, "by_code", by_code, "flushed", (json_int_t)s->flushed,
 	    "spool", "items", (json_int_t)0, "bytes", (json_int_t)0, "oldest_pending_ms", "sink",
 	    "kind", "none", "writes_sent", (json_int_t)0, "confirmed", (json_int_t)0, "retried",
@@ -54,6 +58,7 @@ static bool prom_is_counter(const char *name)
 	    "convod_requests_total",
 	    "convod_errors_total",
 	    "convod_requests_by_op_total",
+	    "convod_requests_time_ns_by_op_total",
 	    "convod_errors_by_code_total",
 	    "convod_flushed",
 	    "convod_sink_writes_sent",
@@ -120,6 +125,8 @@ static void prom_walk(struct buf *b, const char *prefix, const json_t *obj)
 		snprintf(name, sizeof(name), "%s_%s", prefix, key);
 		if (strcmp(name, "convod_requests_by_op") == 0) {
 			prom_labelled(b, "convod_requests_by_op_total", "op", v);
+		} else if (strcmp(name, "convod_requests_time_ns_by_op") == 0) {
+			prom_labelled(b, "convod_requests_time_ns_by_op_total", "op", v);
 		} else if (strcmp(name, "convod_errors_by_code") == 0) {
 			prom_labelled(b, "convod_errors_by_code_total", "code", v);
 		} else if (strcmp(name, "convod_sink_latency_ms") == 0) {

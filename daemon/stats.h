@@ -16,6 +16,7 @@ struct stats {
 	uint64_t connections_denied; /* refused by the uid/gid allow-list */
 	uint64_t requests_total;
 	uint64_t requests_by_op[OP_COUNT];
+	uint64_t time_ns_by_op[OP_COUNT]; /* daemon time from a line to its queued answer */
 	uint64_t errors_total;
 	uint64_t errors_by_code[ERR_INTERNAL + 1];
 	uint64_t messages;        /* messages in memory, over every conversation */

@@ -760,3 +760,27 @@ def test_stats_counters_move(daemon):
     o1.close()
     o2.close()
     wait_connections(c, 1)
+
+
+def test_stats_time_by_op_counts_daemon_time(daemon):
+    """time_ns_by_op grows for the ops served, by at least something and by less than the
+    wall time the client waited, and stays put for ops not sent."""
+    c = daemon.connect()
+    for i in range(200):
+        add(c, "add_user" if i % 2 == 0 else "add_assistant", "tm", "m%d" % i)
+    s1 = stats(c)
+    t = time.monotonic()
+    for _ in range(50):
+        c.ok({"op": "get_messages", "conversation": "tm"})
+    wall_ns = (time.monotonic() - t) * 1e9
+    s2 = stats(c)
+    t1, t2 = s1["requests"]["time_ns_by_op"], s2["requests"]["time_ns_by_op"]
+    assert set(t2) == set(s2["requests"]["by_op"])
+    spent = t2["get_messages"] - t1["get_messages"]
+    assert 0 < spent < wall_ns
+    assert t2["describe"] == t1["describe"]
+    assert t1["add_user"] > 0 and t1["add_assistant"] > 0
+    text = c.ok({"op": "stats", "format": "prometheus"})["text"]
+    assert "# TYPE convod_requests_time_ns_by_op_total counter" in text
+    assert re.search(r'^convod_requests_time_ns_by_op_total\{op="get_messages"\} [1-9][0-9]*$',
+                     text, re.M)
