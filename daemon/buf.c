@@ -1,7 +1,11 @@
-/* Growable byte buffer with JSON appends straight into it. */
+/* Growable byte buffer with JSON appends straight into it: a compact JSON writer for
+ * jansson values, several times faster than json_dumpb (no callbacks, no printf for
+ * integers), writing the same text. */
 #include "buf.h"
 
 #include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,25 +42,190 @@ int buf_append(struct buf *b, const void *p, size_t n)
 	return 0;
 }
 
+/* The longest valid UTF-8 sequence at p[0..n) is its length, 0 when invalid (overlong
+ * forms, surrogates and code points above U+10FFFF included). */
+static size_t utf8_seq(const unsigned char *p, size_t n)
+{
+	size_t k = *p < 0xc2 ? 0 : *p < 0xe0 ? 2 : *p < 0xf0 ? 3 : *p < 0xf5 ? 4 : 0;
+
+	if (k == 0 || k > n)
+		return 0;
+	for (size_t i = 1; i < k; i++)
+		if ((p[i] & 0xc0) != 0x80)
+			return 0;
+	if (k == 3 && ((*p == 0xe0 && p[1] < 0xa0) || (*p == 0xed && p[1] >= 0xa0)))
+		return 0;
+	if (k == 4 && ((*p == 0xf0 && p[1] < 0x90) || (*p == 0xf4 && p[1] >= 0x90)))
+		return 0;
+	return k;
+}
+
+/* Appends s as a JSON string: quotes, backslashes and control characters escaped, the
+ * rest (valid UTF-8) as is. -EINVAL for invalid UTF-8, -ENOMEM. */
+static int append_string(struct buf *b, const char *str, size_t n)
+{
+	static const char hex[] = "0123456789ABCDEF";
+	const unsigned char *s = (const unsigned char *)str;
+	size_t i = 0, run = 0;
+	char *o;
+
+	/* Worst case: every byte becomes \u00XX. */
+	if (n > (SIZE_MAX - 2) / 6 || buf_reserve(b, 6 * n + 2) < 0)
+		return -ENOMEM;
+	o = b->data + b->len;
+	*o++ = '"';
+	while (i < n) {
+		unsigned char ch = s[i];
+		if (ch >= 0x20 && ch != '"' && ch != '\\' && ch < 0x80) {
+			i++;
+			run++;
+			continue;
+		}
+		memcpy(o, s + i - run, run);
+		o += run;
+		run = 0;
+		if (ch >= 0x80) {
+			size_t k = utf8_seq(s + i, n - i);
+			if (k == 0)
+				return -EINVAL;
+			memcpy(o, s + i, k);
+			o += k;
+			i += k;
+			continue;
+		}
+		*o++ = '\\';
+		switch (ch) {
+		case '"': *o++ = '"'; break;
+		case '\\': *o++ = '\\'; break;
+		case '\b': *o++ = 'b'; break;
+		case '\f': *o++ = 'f'; break;
+		case '\n': *o++ = 'n'; break;
+		case '\r': *o++ = 'r'; break;
+		case '\t': *o++ = 't'; break;
+		default:
+			*o++ = 'u';
+			*o++ = '0';
+			*o++ = '0';
+			*o++ = hex[ch >> 4];
+			*o++ = hex[ch & 15];
+		}
+		i++;
+	}
+	memcpy(o, s + i - run, run);
+	o += run;
+	*o++ = '"';
+	b->len = (size_t)(o - b->data);
+	return 0;
+}
+
+static int append_integer(struct buf *b, json_int_t v)
+{
+	char tmp[24], *p = tmp + sizeof(tmp);
+	/* Negate in unsigned arithmetic: -INT64_MIN does not fit. */
+	unsigned long long u = v < 0 ? 0ull - (unsigned long long)v : (unsigned long long)v;
+
+	do {
+		*--p = (char)('0' + u % 10);
+		u /= 10;
+	} while (u);
+	if (v < 0)
+		*--p = '-';
+	return buf_append(b, p, (size_t)(tmp + sizeof(tmp) - p));
+}
+
+/* As jansson writes reals: %.17g, with ".0" added when that reads as an integer and the
+ * exponent without '+' or leading zeros. */
+static int append_real(struct buf *b, double v)
+{
+	char tmp[40];
+	int n = snprintf(tmp, sizeof(tmp), "%.17g", v);
+
+	if (n <= 0 || (size_t)n >= sizeof(tmp) - 2)
+		return -EINVAL;
+	char *e = strchr(tmp, 'e');
+	if (!e && !strchr(tmp, '.')) {
+		tmp[n++] = '.';
+		tmp[n++] = '0';
+	} else if (e) {
+		/* No '+' and no leading zeros in the exponent: 1e+17 is 1e17, 2e-05 is 2e-5. */
+		char *w = e + 1, *r = e + 1;
+		if (*r == '-')
+			w++, r++;
+		else if (*r == '+')
+			r++;
+		while (*r == '0' && r[1])
+			r++;
+		memmove(w, r, strlen(r) + 1);
+		n = (int)strlen(tmp);
+	}
+	return buf_append(b, tmp, (size_t)n);
+}
+
+static int append_value(struct buf *b, const json_t *j)
+{
+	switch (json_typeof(j)) {
+	case JSON_OBJECT: {
+		const char *key;
+		size_t klen;
+		json_t *v;
+		bool first = true;
+		if (buf_append(b, "{", 1) < 0)
+			return -ENOMEM;
+		json_object_keylen_foreach((json_t *)j, key, klen, v)
+		{
+			int rc;
+			if (!first && buf_append(b, ",", 1) < 0)
+				return -ENOMEM;
+			first = false;
+			if ((rc = append_string(b, key, klen)) < 0)
+				return rc;
+			if (buf_append(b, ":", 1) < 0)
+				return -ENOMEM;
+			if ((rc = append_value(b, v)) < 0)
+				return rc;
+		}
+		return buf_append(b, "}", 1);
+	}
+	case JSON_ARRAY: {
+		size_t n = json_array_size(j);
+		if (buf_append(b, "[", 1) < 0)
+			return -ENOMEM;
+		for (size_t i = 0; i < n; i++) {
+			int rc;
+			if (i && buf_append(b, ",", 1) < 0)
+				return -ENOMEM;
+			if ((rc = append_value(b, json_array_get(j, i))) < 0)
+				return rc;
+		}
+		return buf_append(b, "]", 1);
+	}
+	case JSON_STRING:
+		return append_string(b, json_string_value(j), json_string_length(j));
+	case JSON_INTEGER:
+		return append_integer(b, json_integer_value(j));
+	case JSON_REAL:
+		return append_real(b, json_real_value(j));
+	case JSON_TRUE:
+		return buf_append(b, "true", 4);
+	case JSON_FALSE:
+		return buf_append(b, "false", 5);
+	case JSON_NULL:
+		return buf_append(b, "null", 4);
+	}
+	return -EINVAL;
+}
+
 int buf_append_json(struct buf *b, const json_t *j)
 {
-	const size_t flags = JSON_COMPACT | JSON_ENCODE_ANY;
-	size_t need;
+	size_t mark = b->len;
+	int rc;
 
-	if (buf_reserve(b, 256) < 0)
-		return -ENOMEM;
-	need = json_dumpb(j, b->data + b->len, b->cap - b->len, flags);
-	if (need == 0)
+	if (!j)
 		return -EINVAL;
-	if (need > b->cap - b->len) {
-		if (buf_reserve(b, need) < 0)
-			return -ENOMEM;
-		need = json_dumpb(j, b->data + b->len, b->cap - b->len, flags);
-		if (need == 0)
-			return -EINVAL;
-	}
-	b->len += need;
-	return 0;
+	rc = append_value(b, j);
+	if (rc < 0)
+		b->len = mark;
+	return rc;
 }
 
 char *buf_steal(struct buf *b, size_t *len)
