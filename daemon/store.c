@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <sqlite3.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -13,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "buf.h"
 #include "ddbitem.h"
 #include "log.h"
 
@@ -21,6 +23,13 @@
 #define STORE_APPLICATION_ID 0x636e7664 /* "cnvd": tells our files from other SQLite files */
 #define STORE_BUSY_TIMEOUT_MS 100
 #define STORE_BUF_KEEP (1024 * 1024) /* larger JSON buffers are freed after use */
+/* WAL pages after which the checkpointer thread copies the WAL into the database (SQLite's
+ * own automatic checkpoint uses the same 1000, but runs it inside the commit). */
+#define STORE_CHECKPOINT_PAGES 1000
+/* Under continuous writes the thread's checkpoints never catch up with the WAL's end, and
+ * SQLite starts the WAL over only after a checkpoint that did. Past this size the loop
+ * runs one itself: the thread has copied nearly everything, so it copies only the tail. */
+#define STORE_WAL_HARD_PAGES 8000
 
 /* closed = 0 while open, else the Unix ms of the close.
  *
@@ -143,14 +152,30 @@ static const char *const stmt_sql[ST_COUNT] = {
     [ST_PURGE_CONVERSATIONS] = "DELETE FROM conversations WHERE " PURGEABLE,
 };
 
+/* Checkpoints run on a thread of their own with a second connection, so that copying the
+ * WAL back and its fsync never stall the loop's commits. A WAL checkpoint by another
+ * connection is ordinary SQLite concurrency: PASSIVE mode never blocks the writer, and the
+ * writer starts the WAL over once a checkpoint has copied all of it. */
+struct checkpointer {
+	pthread_t thread;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool started, stop, wanted;
+	int last_rc;       /* SQLite code of the last checkpoint */
+	int reported_rc;   /* what the loop thread last logged */
+	uint64_t runs;     /* checkpoints done */
+	const char *path;  /* the store's */
+	enum durability durability;
+};
+
 struct store {
 	sqlite3 *db;
+	struct checkpointer ck;
 	char *path; /* DIR/convod.db, for messages */
 	sqlite3_stmt *st[ST_COUNT];
 	bool in_txn;
 	int txn_err; /* first failed write of the open transaction, 0 if none */
-	char *buf;   /* JSON text of the last store_put_message, reused */
-	size_t len, cap;
+	struct buf json; /* JSON text of the last store_put_message, reused */
 };
 
 static const char *const durability_names[] = {"none", "process", "machine"};
@@ -389,6 +414,132 @@ not_ours:
 	return errno_of(db, rc);
 }
 
+static void *checkpointer_main(void *arg)
+{
+	struct checkpointer *ck = arg;
+	sqlite3 *db = NULL;
+
+	pthread_mutex_lock(&ck->mu);
+	for (;;) {
+		while (!ck->wanted && !ck->stop)
+			pthread_cond_wait(&ck->cv, &ck->mu);
+		if (ck->stop)
+			break;
+		ck->wanted = false;
+		pthread_mutex_unlock(&ck->mu);
+		int rc = SQLITE_OK;
+		if (!db) {
+			rc = sqlite3_open_v2(ck->path, &db,
+			                     SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX |
+			                         SQLITE_OPEN_EXRESCODE,
+			                     NULL);
+			if (rc == SQLITE_OK) {
+				sqlite3_busy_timeout(db, STORE_BUSY_TIMEOUT_MS);
+				/* The checkpoint syncs the database file as the writer's level
+				 * asks; at none it does not sync at all. */
+				rc = sqlite3_exec(db,
+				                  ck->durability == DURABILITY_NONE
+				                      ? "PRAGMA synchronous=OFF"
+				                      : "PRAGMA synchronous=NORMAL",
+				                  NULL, NULL, NULL);
+			}
+			if (rc != SQLITE_OK) {
+				sqlite3_close(db);
+				db = NULL;
+			}
+		}
+		if (db)
+			rc = sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL,
+			                               NULL);
+		pthread_mutex_lock(&ck->mu);
+		ck->last_rc = rc;
+		ck->runs++;
+	}
+	pthread_mutex_unlock(&ck->mu);
+	sqlite3_close(db);
+	return NULL;
+}
+
+/* SQLite calls this after every commit with the WAL's size in pages (it replaces the
+ * automatic checkpoint, which is thereby off). */
+static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
+{
+	struct store *s = arg;
+	struct checkpointer *ck = &s->ck;
+	int rc;
+
+	if (pages < STORE_CHECKPOINT_PAGES)
+		return SQLITE_OK;
+	if (pages >= STORE_WAL_HARD_PAGES)
+		sqlite3_wal_checkpoint_v2(db, name, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
+	pthread_mutex_lock(&ck->mu);
+	ck->wanted = true;
+	pthread_cond_signal(&ck->cv);
+	rc = ck->last_rc;
+	pthread_mutex_unlock(&ck->mu);
+	if (rc != ck->reported_rc) {
+		if (rc == SQLITE_OK)
+			log_msg(LOG_INFO, "store", "%s: checkpoints work again", s->path);
+		else
+			log_msg(LOG_WARN, "store", "%s: checkpoint failed: %s; the WAL grows until "
+			        "one succeeds", s->path, sqlite3_errstr(rc));
+		ck->reported_rc = rc;
+	}
+	return SQLITE_OK;
+}
+
+static int checkpointer_start(struct store *s, enum durability durability)
+{
+	struct checkpointer *ck = &s->ck;
+	int rc;
+
+	ck->path = s->path;
+	ck->durability = durability;
+	if ((rc = pthread_mutex_init(&ck->mu, NULL)) != 0)
+		return -rc;
+	if ((rc = pthread_cond_init(&ck->cv, NULL)) != 0) {
+		pthread_mutex_destroy(&ck->mu);
+		return -rc;
+	}
+	if ((rc = pthread_create(&ck->thread, NULL, checkpointer_main, ck)) != 0) {
+		pthread_cond_destroy(&ck->cv);
+		pthread_mutex_destroy(&ck->mu);
+		return -rc;
+	}
+	ck->started = true;
+	sqlite3_wal_hook(s->db, wal_hook, s);
+	return 0;
+}
+
+static void checkpointer_stop(struct store *s)
+{
+	struct checkpointer *ck = &s->ck;
+
+	if (!ck->started)
+		return;
+	sqlite3_wal_hook(s->db, NULL, NULL);
+	pthread_mutex_lock(&ck->mu);
+	ck->stop = true;
+	pthread_cond_signal(&ck->cv);
+	pthread_mutex_unlock(&ck->mu);
+	pthread_join(ck->thread, NULL);
+	pthread_cond_destroy(&ck->cv);
+	pthread_mutex_destroy(&ck->mu);
+	ck->started = false;
+}
+
+uint64_t store_checkpoints(struct store *s)
+{
+	uint64_t n;
+
+	if (!s->ck.started)
+		return 0;
+	pthread_mutex_lock(&s->ck.mu);
+	n = s->ck.runs;
+	pthread_mutex_unlock(&s->ck.mu);
+	return n;
+}
+
 int store_open(const char *dir, enum durability durability, struct store **out, char *errbuf,
                size_t errlen)
 {
@@ -443,6 +594,13 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	sqlite3_busy_timeout(s->db, STORE_BUSY_TIMEOUT_MS);
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
+	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
+	sqlite3_exec(s->db, "PRAGMA cache_size=-32768", NULL, NULL, NULL);
+	if ((rc = checkpointer_start(s, durability)) < 0) {
+		set_errbuf(errbuf, errlen, "store: cannot start the checkpoint thread: %s",
+		           strerror(-rc));
+		goto fail;
+	}
 	*out = s;
 	return 0;
 fail:
@@ -455,11 +613,12 @@ void store_close(struct store *s)
 	if (!s)
 		return;
 	store_rollback(s);
+	checkpointer_stop(s);
 	for (int i = 0; i < ST_COUNT; i++)
 		sqlite3_finalize(s->st[i]);
 	if (s->db && sqlite3_close(s->db) != SQLITE_OK)
 		log_msg(LOG_ERROR, "store", "%s: close: %s", s->path, sqlite3_errmsg(s->db));
-	free(s->buf);
+	buf_free(&s->json);
 	free(s->path);
 	free(s);
 }
@@ -520,24 +679,6 @@ int store_commit(struct store *s)
 	return 0;
 }
 
-static int buf_append(const char *data, size_t size, void *arg)
-{
-	struct store *s = arg;
-	if (s->len + size > s->cap) {
-		size_t cap = s->cap ? s->cap : 4096;
-		char *p;
-		while (cap < s->len + size)
-			cap *= 2;
-		if (!(p = realloc(s->buf, cap)))
-			return -1;
-		s->buf = p;
-		s->cap = cap;
-	}
-	memcpy(s->buf + s->len, data, size);
-	s->len += size;
-	return 0;
-}
-
 int store_put_message(struct store *s, const char *conv, size_t conv_len, const struct message *m)
 {
 	sqlite3_stmt *st = s->st[ST_PUT_MESSAGE];
@@ -557,18 +698,17 @@ int store_put_message(struct store *s, const char *conv, size_t conv_len, const 
 		rc = -EINVAL;
 		goto out;
 	}
-	s->len = 0;
-	if (json_dump_callback(map, buf_append, s, JSON_COMPACT) < 0) {
-		rc = -ENOMEM;
+	s->json.len = 0;
+	if ((rc = buf_append_json(&s->json, map)) < 0)
 		goto out;
-	}
 	if ((rc = bind_key(s, ST_PUT_MESSAGE, conv, conv_len, sk)) < 0)
 		goto out;
 	if (sqlite3_bind_int64(st, 3, m->version) != SQLITE_OK ||
 	    sqlite3_bind_int64(st, 4, m->updated_ms) != SQLITE_OK ||
 	    sqlite3_bind_int64(st, 5, m->seen[CONSUMER_CLIENT]) != SQLITE_OK ||
-	    sqlite3_bind_int64(st, 6, (sqlite3_int64)s->len) != SQLITE_OK ||
-	    (rc = sqlite3_bind_text64(st, 7, s->buf, s->len, SQLITE_STATIC, SQLITE_UTF8)) !=
+	    sqlite3_bind_int64(st, 6, (sqlite3_int64)s->json.len) != SQLITE_OK ||
+	    (rc = sqlite3_bind_text64(st, 7, s->json.data, s->json.len, SQLITE_STATIC,
+	                              SQLITE_UTF8)) !=
 	        SQLITE_OK) {
 		rc = fail(s, st, rc ? rc : SQLITE_ERROR);
 		goto out;
@@ -576,12 +716,9 @@ int store_put_message(struct store *s, const char *conv, size_t conv_len, const 
 	rc = run(s, st);
 out:
 	json_decref(map);
-	if (s->cap > STORE_BUF_KEEP) {
-		free(s->buf);
-		s->buf = NULL;
-		s->cap = 0;
-	}
-	s->len = 0;
+	if (s->json.cap > STORE_BUF_KEEP)
+		buf_free(&s->json);
+	s->json.len = 0;
 	return write_done(s, rc);
 }
 

@@ -40,6 +40,9 @@ int store_set_size_limit(struct store *s, uint64_t max_bytes);
  * when a write of the transaction failed and the caller went on (-EINVAL outside one). */
 int store_begin(struct store *s);
 int store_commit(struct store *s);
+/* Checkpoints the background thread has run since store_open (WAL copied back into the
+ * database file once it holds 1000 pages; the commits never wait for it). */
+uint64_t store_checkpoints(struct store *s);
 void store_rollback(struct store *s); /* no-op outside a transaction */
 /* True between store_begin and the commit or rollback. */
 bool store_in_transaction(const struct store *s);
