@@ -637,6 +637,63 @@ oom:
 	answer_error(d, out, id, op, &err);
 }
 
+struct emit_ctx {
+	struct dispatch *d;
+	struct buf *out;
+	const json_t *id;
+	enum op op;
+	size_t start; /* where the answer begins in out */
+};
+
+/* ops_emit_fn: the ok answer, written while the op can still be undone. */
+static int emit_answer(void *arg, const json_t *result, const char *text, size_t len)
+{
+	struct emit_ctx *e = arg;
+	struct buf *out = e->out;
+
+	if (buf_append(out, "{", 1) < 0 ||
+	    (e->id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, e->id) < 0 ||
+	               buf_append(out, ",", 1) < 0)) ||
+	    buf_append(out, "\"ok\":true,\"result\":", 19) < 0 ||
+	    (result ? buf_append_json(out, result) : buf_append(out, text, len)) < 0 ||
+	    buf_append(out, "}\n", 2) < 0) {
+		out->len = e->start;
+		return -ENOMEM;
+	}
+	stats_request(&e->d->stats, e->op, ERR_OK);
+	return 0;
+}
+
+/* For ops whose result is a count made by the change itself (flush, close,
+ * retry_dead_letters): the answer's head and room for its tail are written before the
+ * change, so that nothing can fail after it. 0 or -ENOMEM (out unchanged). */
+static int answer_open(struct buf *out, const json_t *id)
+{
+	size_t start = out->len;
+
+	if (buf_append(out, "{", 1) < 0 ||
+	    (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
+	            buf_append(out, ",", 1) < 0)) ||
+	    buf_append(out, "\"ok\":true,\"result\":", 19) < 0 || buf_reserve(out, 64) < 0) {
+		out->len = start;
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+/* The tail after answer_open: {"key":n}}\n, within the room reserved (key is short). */
+static void answer_count(struct dispatch *d, struct buf *out, size_t start, const json_t *id,
+                         enum op op, const char *key, size_t n)
+{
+	char tail[64];
+	int k = snprintf(tail, sizeof(tail), "{\"%s\":%zu}}\n", key, n);
+
+	if (k > 0 && (size_t)k < sizeof(tail))
+		buf_append(out, tail, (size_t)k);
+	stats_request(&d->stats, op, ERR_OK);
+	mark_answer(d, out, start, id, op);
+}
+
 void dispatch_too_large_line(struct dispatch *d, struct buf *out)
 {
 	struct error err;
@@ -976,7 +1033,15 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 
 	if (is_blank(line, len))
 		return DISPATCH_DONE;
+	ops_json_alloc_reset();
 	req = json_loadb(line, len, JSON_ALLOW_NUL, &jerr);
+	if (ops_json_alloc_failed()) {
+		/* jansson may have dropped a byte or called this a syntax error: run nothing. */
+		json_decref(req);
+		req = NULL;
+		error_set(&err, ERR_INTERNAL, "out of memory while reading the request");
+		goto fail;
+	}
 	if (!req) {
 		error_set(&err, ERR_PARSE_ERROR, "invalid JSON at column %d: %s", jerr.column,
 		          jerr.text);
@@ -1057,12 +1122,15 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto ok;
 	}
 	case OP_RETRY_DEAD_LETTERS: {
-		size_t n = 0;
+		size_t n = 0, start = out->len;
+		if (answer_open(out, id) < 0)
+			goto oom;
 		if (d->store) {
 			int rc = ensure_tx(d);
 			if (rc == 0)
 				rc = store_dead_letters_retry(d->store, dispatch_now_ms(), &n);
 			if (rc < 0) {
+				out->len = start;
 				error_set(&err, ERR_UNAVAILABLE,
 				          "the local store cannot be written; retry later");
 				goto fail;
@@ -1074,8 +1142,9 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			}
 			d->changed = true;
 		}
-		result = json_pack("{s:I}", "retried", (json_int_t)n);
-		goto ok_commit;
+		answer_count(d, out, start, id, op, "retried", n);
+		json_decref(req);
+		return DISPATCH_DONE;
 	}
 	case OP_CREATE_TABLE:
 		if (!d->remote) {
@@ -1108,8 +1177,16 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		registry_each(&d->reg, count_messages, &d->stats.messages);
 		result = stats_to_json(&d->stats, (uint64_t)dispatch_now_ms());
 		if (result && d->sink) {
-			json_object_set_new(result, "spool", sink_stats_spool(d->sink));
-			json_object_set_new(result, "sink", sink_stats_sink(d->sink));
+			json_t *sp = sink_stats_spool(d->sink), *sk = sink_stats_sink(d->sink);
+			if (!sp || !sk || json_object_set_new(result, "spool", sp) < 0 ||
+			    json_object_set_new(result, "sink", sk) < 0) {
+				if (!sp || !sk) {
+					json_decref(sp);
+					json_decref(sk);
+				}
+				json_decref(result);
+				result = NULL;
+			}
 		}
 		{
 			const json_t *f = json_object_get(req, "format");
@@ -1129,9 +1206,13 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	case OP_FLUSH:
 		if (!cid) {
 			struct flush_all_ctx ctx = {d, 0};
+			size_t start = out->len;
+			if (answer_open(out, id) < 0)
+				goto oom;
 			registry_each(&d->reg, flush_each, &ctx);
-			result = json_pack("{s:I}", "flushed", (json_int_t)ctx.n);
-			goto ok_commit;
+			answer_count(d, out, start, id, op, "flushed", ctx.n);
+			json_decref(req);
+			return DISPATCH_DONE;
 		}
 		break;
 	default:
@@ -1209,7 +1290,10 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	}
 
 	if (op == OP_FLUSH || op == OP_CLOSE) {
-		size_t n = sink_take(d, c, true);
+		size_t start = out->len, n;
+		if (answer_open(out, id) < 0)
+			goto oom;
+		n = sink_take(d, c, true);
 		if (op == OP_CLOSE) {
 			if (!d->store) {
 				/* Memory only: nothing else holds it, so it is gone for good. */
@@ -1227,8 +1311,9 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			}
 			c = NULL;
 		}
-		result = json_pack("{s:I}", "flushed", (json_int_t)n);
-		goto ok_commit;
+		answer_count(d, out, start, id, op, "flushed", n);
+		json_decref(req);
+		return DISPATCH_DONE;
 	}
 
 	if (d->sink && ops_mutates(op) && sink_full(d->sink)) {
@@ -1244,38 +1329,35 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	env.now_ms = dispatch_now_ms();
 	env.limits.max_messages = d->cfg->max_messages;
 	env.limits.max_bytes = d->cfg->max_conversation_bytes;
-	code = ops_run(op, c, &env, req, &result, &changed, &err);
-	if (code != ERR_OK) {
-		if (created)
-			convo_free(c);
-		c = NULL;
-		goto fail;
-	}
+	/* A new conversation is registered first: nothing may fail once the answer is out. */
 	if (created && registry_put(&d->reg, c) < 0) {
 		convo_free(c);
-		json_decref(result);
-		result = NULL;
 		error_set(&err, ERR_INTERNAL, "out of memory");
 		goto fail;
 	}
-	if (changed) {
-		mark_store_dirty(d, c);
-		mark_sink_dirty(d, c);
-		goto ok_commit;
+	{
+		struct emit_ctx ec = {d, out, id, op, out->len};
+		code = ops_run_emit(op, c, &env, req, emit_answer, &ec, &changed, &err);
+		if (code != ERR_OK) {
+			if (created)
+				drop_conversation(d, c);
+			c = NULL;
+			goto fail;
+		}
+		if (changed) {
+			mark_store_dirty(d, c);
+			mark_sink_dirty(d, c);
+			mark_answer(d, out, ec.start, id, op);
+		}
 	}
+	json_decref(req);
+	return DISPATCH_DONE;
 ok:
 	answer_ok(d, out, id, op, result);
 	json_decref(req);
 	return DISPATCH_DONE;
-ok_commit:
-	/* An answer that only holds once the turn's commit succeeds. */
-	{
-		size_t start = out->len;
-		answer_ok(d, out, id, op, result);
-		mark_answer(d, out, start, id, op);
-	}
-	json_decref(req);
-	return DISPATCH_DONE;
+oom:
+	error_set(&err, ERR_INTERNAL, "out of memory");
 fail:
 	if (err.code == ERR_INTERNAL)
 		log_msg(LOG_ERROR, "dispatch", "internal error: %s", err.message);

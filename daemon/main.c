@@ -14,6 +14,7 @@
 #include "config.h"
 #include "ddbclient.h"
 #include "dispatch.h"
+#include "ops.h"
 #include "log.h"
 #include "notify.h"
 #include "server.h"
@@ -247,6 +248,8 @@ int main(int argc, char **argv)
 	char err[CONFIG_ERR_SIZE];
 	int rc;
 
+	/* jansson's allocation failures become `internal` answers, never a mangled value. */
+	ops_json_alloc_init(malloc, free);
 	if (config_parse_args(&d.args, argc, argv, err, sizeof(err)) < 0) {
 		fprintf(stderr, "convod: %s\n", err);
 		return 2;

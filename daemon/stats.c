@@ -1,6 +1,7 @@
 /* Counters for the `stats` op. */
 #include "stats.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,34 +19,82 @@ void stats_request(struct stats *s, enum op op, enum error_code code)
 	}
 }
 
+/* Sets key to v (taken) in o; false when o is NULL or the set failed. */
+static bool put(json_t *o, const char *key, json_t *v)
+{
+	if (!o || !v) {
+		json_decref(v);
+		return false;
+	}
+	return json_object_set_new_nocheck(o, key, v) == 0;
+}
+
+static bool put_int(json_t *o, const char *key, uint64_t v)
+{
+	return put(o, key, json_integer((json_int_t)v));
+}
+
 json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 {
-	json_t *by_op = json_object(), *by_code = json_object(), *time_by_op = json_object();
+	json_t *res = json_object(), *by_op = json_object(), *by_code = json_object(),
+	       *time_by_op = json_object(), *conns = json_object(), *reqs = json_object(),
+	       *errs = json_object(), *spool = json_object(), *sink = json_object(),
+	       *lat = json_object();
+	bool ok = res && by_op && by_code && time_by_op && conns && reqs && errs && spool &&
+	          sink && lat;
 
-	for (int i = 0; i < OP_COUNT; i++) {
-		json_object_set_new(by_op, ops_name((enum op)i),
-		                    json_integer((json_int_t)s->requests_by_op[i]));
-		json_object_set_new(time_by_op, ops_name((enum op)i),
-		                    json_integer((json_int_t)s->time_ns_by_op[i]));
+	for (int i = 0; ok && i < OP_COUNT; i++)
+		ok = put_int(by_op, ops_name((enum op)i), s->requests_by_op[i]) &&
+		     put_int(time_by_op, ops_name((enum op)i), s->time_ns_by_op[i]);
+	for (int i = ERR_PARSE_ERROR; ok && i <= ERR_INTERNAL; i++)
+		ok = put_int(by_code, error_code_str((enum error_code)i), s->errors_by_code[i]);
+	ok = ok && put_int(conns, "current", s->connections_current) &&
+	     put_int(conns, "accepted", s->connections_accepted) &&
+	     put_int(conns, "refused", s->connections_refused) &&
+	     put_int(conns, "denied", s->connections_denied) &&
+	     put_int(reqs, "total", s->requests_total) && put(reqs, "by_op", json_incref(by_op)) &&
+	     put(reqs, "time_ns_by_op", json_incref(time_by_op)) &&
+	     put_int(errs, "total", s->errors_total) && put(errs, "by_code", json_incref(by_code)) &&
+	     put_int(spool, "items", 0) && put_int(spool, "bytes", 0) &&
+	     put(spool, "oldest_pending_ms", json_null()) && put(sink, "kind", json_string("none")) &&
+	     put_int(sink, "writes_sent", 0) && put_int(sink, "confirmed", 0) &&
+	     put_int(sink, "retried", 0) && put_int(sink, "dead_lettered", 0) &&
+	     put_int(sink, "failures", 0) && put(sink, "last_error", json_null()) &&
+	     put(lat, "p50", json_null()) && put(lat, "p99", json_null()) &&
+	     put(lat, "p999", json_null()) && put(sink, "latency_ms", json_incref(lat)) &&
+	     put(res, "version", json_string(CONVOD_VERSION)) &&
+	     put_int(res, "uptime_ms", now_ms - s->started_ms) &&
+	     put(res, "connections", json_incref(conns)) &&
+	     put_int(res, "conversations", s->conversations) &&
+	     put_int(res, "messages", s->messages) && put(res, "requests", json_incref(reqs)) &&
+	     put(res, "errors", json_incref(errs)) && put_int(res, "flushed", s->flushed) &&
+	     put(res, "spool", json_incref(spool)) && put(res, "sink", json_incref(sink));
+	json_decref(by_op);
+	json_decref(by_code);
+	json_decref(time_by_op);
+	json_decref(conns);
+	json_decref(reqs);
+	json_decref(errs);
+	json_decref(spool);
+	json_decref(sink);
+	json_decref(lat);
+	if (!ok) {
+		json_decref(res);
+		return NULL;
 	}
-	for (int i = ERR_PARSE_ERROR; i <= ERR_INTERNAL; i++)
-		json_object_set_new(by_code, error_code_str((enum error_code)i),
-		                    json_integer((json_int_t)s->errors_by_code[i]));
-	return json_pack(
-	    "{s:s, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I, s:{s:I, s:o, s:o}, s:{s:I, s:o},"
-	    " s:I, s:{s:I, s:I, s:n}, s:{s:s, s:I, s:I, s:I, s:I, s:I, s:n, s:{s:n, s:n, s:n}}}",
-	    "version", CONVOD_VERSION, "uptime_ms", (json_int_t)(now_ms - s->started_ms),
-	    "connections", "current", (json_int_t)s->connections_current, "accepted",
-	    (json_int_t)s->connections_accepted, "refused", (json_int_t)s->connections_refused,
-	    "denied", (json_int_t)s->connections_denied,
-	    "conversations", (json_int_t)s->conversations, "messages", (json_int_t)s->messages,
-	    "requests", "total", (json_int_t)s->requests_total, "by_op", by_op, "time_ns_by_op",
-	    time_by_op, "errors", "total",
-	    (json_int_t)s->errors_total, "by_code", by_code, "flushed", (json_int_t)s->flushed,
-	    "spool", "items", (json_int_t)0, "bytes", (json_int_t)0, "oldest_pending_ms", "sink",
-	    "kind", "none", "writes_sent", (json_int_t)0, "confirmed", (json_int_t)0, "retried",
-	    (json_int_t)0, "dead_lettered", (json_int_t)0, "failures", (json_int_t)0, "last_error",
-	    "latency_ms", "p50", "p99", "p999");
+	return res;
+}
+
+/* The text being built, and whether any of it could not be added. */
+struct pbuf {
+	struct buf b;
+	bool oom;
+};
+
+static void pbuf_put(struct pbuf *b, const char *p, size_t n)
+{
+	if (!b->oom && buf_append(&b->b, p, n) < 0)
+		b->oom = true;
 }
 
 /* Counters only grow; everything else is a gauge. */
@@ -74,7 +123,7 @@ static bool prom_is_counter(const char *name)
 	return false;
 }
 
-static void prom_sample(struct buf *b, const char *name, const char *labels, const json_t *v)
+static void prom_sample(struct pbuf *b, const char *name, const char *labels, const json_t *v)
 {
 	char line[512];
 	int n;
@@ -87,20 +136,20 @@ static void prom_sample(struct buf *b, const char *name, const char *labels, con
 	else
 		return;
 	if (n > 0 && (size_t)n < sizeof(line))
-		buf_append(b, line, (size_t)n);
+		pbuf_put(b, line, (size_t)n);
 }
 
-static void prom_head(struct buf *b, const char *name)
+static void prom_head(struct pbuf *b, const char *name)
 {
 	char line[256];
 	int n = snprintf(line, sizeof(line), "# TYPE %s %s\n", name,
 	                 prom_is_counter(name) ? "counter" : "gauge");
 	if (n > 0 && (size_t)n < sizeof(line))
-		buf_append(b, line, (size_t)n);
+		pbuf_put(b, line, (size_t)n);
 }
 
 /* A map of name -> number becomes one metric with a label per key. */
-static void prom_labelled(struct buf *b, const char *name, const char *label, const json_t *obj)
+static void prom_labelled(struct pbuf *b, const char *name, const char *label, const json_t *obj)
 {
 	const char *key;
 	json_t *v;
@@ -114,7 +163,7 @@ static void prom_labelled(struct buf *b, const char *name, const char *label, co
 	}
 }
 
-static void prom_walk(struct buf *b, const char *prefix, const json_t *obj)
+static void prom_walk(struct pbuf *b, const char *prefix, const json_t *obj)
 {
 	const char *key;
 	json_t *v;
@@ -149,7 +198,7 @@ static void prom_walk(struct buf *b, const char *prefix, const json_t *obj)
 
 char *stats_prometheus(const json_t *stats)
 {
-	struct buf b = {NULL, 0, 0};
+	struct pbuf b = {{NULL, 0, 0}, false};
 	const json_t *version = json_object_get(stats, "version");
 	const json_t *kind = json_object_get(json_object_get(stats, "sink"), "kind");
 	char line[256];
@@ -161,11 +210,12 @@ char *stats_prometheus(const json_t *stats)
 	             json_is_string(version) ? json_string_value(version) : "",
 	             json_is_string(kind) ? json_string_value(kind) : "");
 	if (n > 0 && (size_t)n < sizeof(line))
-		buf_append(&b, line, (size_t)n);
+		pbuf_put(&b, line, (size_t)n);
 	prom_walk(&b, "convod", stats);
-	if (buf_append(&b, "", 1) < 0) {
-		buf_free(&b);
+	pbuf_put(&b, "", 1);
+	if (b.oom) {
+		buf_free(&b.b);
 		return NULL;
 	}
-	return buf_steal(&b, &len);
+	return buf_steal(&b.b, &len);
 }

@@ -7,6 +7,7 @@
  * and a few promises of semantics.md are checked against what the op answered. */
 #include <string.h>
 
+#include "buf.h"
 #include "convo.h"
 #include "fuzz.h"
 #include "ops.h"
@@ -395,6 +396,40 @@ static void check_result(struct state *st, enum op op, const json_t *req, const 
 	(void)pristine;
 }
 
+/* The direct writers of get_messages write what jansson would for the same trees. */
+static void check_writers(const struct convo *c)
+{
+	struct buf direct = {NULL, 0, 0}, tree = {NULL, 0, 0};
+	json_t *v = convo_get_messages(c, RENDER_META);
+	int rc1, rc2;
+
+	if (!v)
+		return;
+	rc1 = convo_write_messages(c, &direct);
+	rc2 = buf_append_json(&tree, v);
+	FUZZ_REQUIRE(rc1 == rc2, "convo_write_messages %d, the tree %d", rc1, rc2);
+	FUZZ_REQUIRE(rc1 != 0 || (direct.len == tree.len &&
+	                          memcmp(direct.data, tree.data, tree.len) == 0),
+	             "convo_write_messages wrote %.*s\nthe tree is %.*s", (int)direct.len,
+	             direct.data, (int)tree.len, tree.data);
+	for (size_t i = 0; i < c->nlog; i++) {
+		json_t *m = message_to_map(c->log[i]);
+		direct.len = tree.len = 0;
+		if (!m)
+			continue;
+		rc1 = message_write_map(&direct, c->log[i]);
+		rc2 = buf_append_json(&tree, m);
+		FUZZ_REQUIRE(rc1 == rc2 && (rc1 != 0 || (direct.len == tree.len &&
+		                                         memcmp(direct.data, tree.data,
+		                                                tree.len) == 0)),
+		             "message_write_map differs from message_to_map at %zu", i);
+		json_decref(m);
+	}
+	json_decref(v);
+	buf_free(&direct);
+	buf_free(&tree);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	static const uint8_t seed[32] = {1};
@@ -446,6 +481,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		}
 		FUZZ_REQUIRE(convo_check(st.c, &err) == ERR_OK, "after %s: %s", ops_name(op),
 		             err.message);
+		check_writers(st.c);
 		if (rc != ERR_OK) {
 			char *after = fingerprint(st.c);
 			FUZZ_REQUIRE(strcmp(before, after) == 0,

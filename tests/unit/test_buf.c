@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "../../daemon/buf.h"
+#include "buf.h"
 #include "test.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
