@@ -62,7 +62,7 @@ static size_t utf8_seq(const unsigned char *p, size_t n)
 
 /* Appends s as a JSON string: quotes, backslashes and control characters escaped, the
  * rest (valid UTF-8) as is. -EINVAL for invalid UTF-8, -ENOMEM. */
-static int append_string(struct buf *b, const char *str, size_t n)
+int buf_append_jstring(struct buf *b, const char *str, size_t n)
 {
 	static const char hex[] = "0123456789ABCDEF";
 	const unsigned char *s = (const unsigned char *)str;
@@ -75,6 +75,24 @@ static int append_string(struct buf *b, const char *str, size_t n)
 	o = b->data + b->len;
 	*o++ = '"';
 	while (i < n) {
+		/* Eight plain bytes at a time: none below 0x20, no '"', no '\\', none >= 0x80. */
+		while (i + 8 <= n) {
+			uint64_t w;
+			memcpy(&w, s + i, 8);
+			const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+			uint64_t special = ((w - ones * 0x20) | ((w ^ (ones * '"')) - ones) |
+			                    ((w ^ (ones * '\\')) - ones) | w) &
+			                   highs;
+			/* (w ^ c) - ones has the high bit set in a byte that was c (or, by a borrow,
+			 * near one); w - 0x20.. in a byte below 0x20; w itself in a byte >= 0x80.
+			 * False alarms only send those 8 bytes down the byte loop. */
+			if (special)
+				break;
+			i += 8;
+			run += 8;
+		}
+		if (i >= n)
+			break;
 		unsigned char ch = s[i];
 		if (ch >= 0x20 && ch != '"' && ch != '\\' && ch < 0x80) {
 			i++;
@@ -118,7 +136,7 @@ static int append_string(struct buf *b, const char *str, size_t n)
 	return 0;
 }
 
-static int append_integer(struct buf *b, json_int_t v)
+int buf_append_jint(struct buf *b, int64_t v)
 {
 	char tmp[24], *p = tmp + sizeof(tmp);
 	/* Negate in unsigned arithmetic: -INT64_MIN does not fit. */
@@ -177,7 +195,7 @@ static int append_value(struct buf *b, const json_t *j)
 			if (!first && buf_append(b, ",", 1) < 0)
 				return -ENOMEM;
 			first = false;
-			if ((rc = append_string(b, key, klen)) < 0)
+			if ((rc = buf_append_jstring(b, key, klen)) < 0)
 				return rc;
 			if (buf_append(b, ":", 1) < 0)
 				return -ENOMEM;
@@ -200,9 +218,9 @@ static int append_value(struct buf *b, const json_t *j)
 		return buf_append(b, "]", 1);
 	}
 	case JSON_STRING:
-		return append_string(b, json_string_value(j), json_string_length(j));
+		return buf_append_jstring(b, json_string_value(j), json_string_length(j));
 	case JSON_INTEGER:
-		return append_integer(b, json_integer_value(j));
+		return buf_append_jint(b, json_integer_value(j));
 	case JSON_REAL:
 		return append_real(b, json_real_value(j));
 	case JSON_TRUE:

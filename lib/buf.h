@@ -1,9 +1,11 @@
-/* A growable byte buffer for response lines. */
+/* A growable byte buffer, and a compact JSON writer into it (jansson values, or strings and
+ * integers one at a time). */
 #ifndef CONVOD_BUF_H
 #define CONVOD_BUF_H
 
 #include <jansson.h>
 #include <stddef.h>
+#include <stdint.h>
 
 struct buf {
 	char *data; /* owned */
@@ -16,6 +18,11 @@ int buf_reserve(struct buf *b, size_t n);
 int buf_append(struct buf *b, const void *p, size_t n);
 /* Appends the compact JSON text of j (any value). 0, -ENOMEM or -EINVAL. */
 int buf_append_json(struct buf *b, const json_t *j);
+/* Appends s[0..n) as a JSON string (as jansson escapes it). 0, -ENOMEM, or -EINVAL for
+ * invalid UTF-8 (b unchanged only on -ENOMEM before writing; callers reset len). */
+int buf_append_jstring(struct buf *b, const char *s, size_t n);
+/* Appends v in decimal. 0 or -ENOMEM. */
+int buf_append_jint(struct buf *b, int64_t v);
 /* Hands the bytes to the caller (who frees them) and empties b. */
 char *buf_steal(struct buf *b, size_t *len);
 void buf_free(struct buf *b);

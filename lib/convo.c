@@ -17,15 +17,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "buf.h"
+
 /* A growing text buffer; after the first allocation failure every append is a no-op and
  * failed stays set, so callers check once at the end. */
-struct buf {
+struct tbuf {
 	char *p;
 	size_t len, cap;
 	bool failed;
 };
 
-static void buf_add(struct buf *b, const char *s, size_t n)
+static void buf_add(struct tbuf *b, const char *s, size_t n)
 {
 	if (b->failed)
 		return;
@@ -51,25 +53,25 @@ static void buf_add(struct buf *b, const char *s, size_t n)
 	b->p[b->len] = '\0';
 }
 
-static void buf_str(struct buf *b, const char *s)
+static void buf_str(struct tbuf *b, const char *s)
 {
 	if (s)
 		buf_add(b, s, strlen(s));
 }
 
-static void buf_char(struct buf *b, char ch)
+static void buf_char(struct tbuf *b, char ch)
 {
 	buf_add(b, &ch, 1);
 }
 
-static void buf_i64(struct buf *b, int64_t v)
+static void buf_i64(struct tbuf *b, int64_t v)
 {
 	char tmp[32];
 	int n = snprintf(tmp, sizeof(tmp), "%" PRId64, v);
 	buf_add(b, tmp, (size_t)n);
 }
 
-static void buf_size(struct buf *b, size_t v)
+static void buf_size(struct tbuf *b, size_t v)
 {
 	char tmp[32];
 	int n = snprintf(tmp, sizeof(tmp), "%zu", v);
@@ -512,7 +514,7 @@ void convo_summary_format_default(struct summary_format *f)
 }
 
 /* fmt(m) of semantics.md. */
-static void format_message(struct buf *b, const struct message *m, const struct summary_format *f)
+static void format_message(struct tbuf *b, const struct message *m, const struct summary_format *f)
 {
 	const char *tag = m->role == ROLE_USER        ? f->user_tag
 	                  : m->role == ROLE_ASSISTANT ? f->assistant_tag
@@ -575,7 +577,7 @@ static json_t *summary_item(const struct message *m, size_t index)
 json_t *convo_summary_info(const struct convo *c, const struct summary_format *f)
 {
 	struct summary_format defaults;
-	struct buf text = {0};
+	struct tbuf text = {0};
 	json_t *res = NULL, *msgs, *ids, *versions;
 	const struct message *prev = NULL;
 	size_t last_a = c->nlog;
@@ -873,7 +875,7 @@ size_t convo_take(struct convo *c, enum consumer who, bool exclude_last,
 	return n;
 }
 
-json_t *convo_to_messages_map(struct convo *c, bool incremental, bool exclude_last)
+json_t *convo_to_messages_map_build(const struct convo *c, bool incremental, bool exclude_last)
 {
 	json_t *res = json_object(), *arr = json_array();
 	if (!res || !arr)
@@ -895,13 +897,24 @@ json_t *convo_to_messages_map(struct convo *c, bool incremental, bool exclude_la
 	if (json_object_set_nocheck(res, "messages", arr) < 0)
 		goto fail;
 	json_decref(arr);
-	if (incremental)
-		convo_take(c, CONSUMER_CLIENT, exclude_last, NULL, NULL);
 	return res;
 fail:
 	json_decref(arr);
 	json_decref(res);
 	return NULL;
+}
+
+void convo_to_messages_map_taken(struct convo *c, bool exclude_last)
+{
+	convo_take(c, CONSUMER_CLIENT, exclude_last, NULL, NULL);
+}
+
+json_t *convo_to_messages_map(struct convo *c, bool incremental, bool exclude_last)
+{
+	json_t *res = convo_to_messages_map_build(c, incremental, exclude_last);
+	if (res && incremental)
+		convo_to_messages_map_taken(c, exclude_last);
+	return res;
 }
 
 int convo_render_format(const char *name)
@@ -973,9 +986,37 @@ fail:
 	return NULL;
 }
 
+int convo_write_messages(const struct convo *c, struct buf *b)
+{
+	const struct message *s = convo_last_summary(c);
+	bool first = true;
+	int rc;
+
+	if (buf_append(b, "{\"messages\":[", 13) < 0)
+		return -ENOMEM;
+	for (size_t i = c->first_llm; i < c->nlog; i++) {
+		if (is_summary(c, i))
+			continue;
+		if (!first && buf_append(b, ",", 1) < 0)
+			return -ENOMEM;
+		first = false;
+		if ((rc = message_write_map(b, c->log[i])) < 0)
+			return rc;
+	}
+	if (buf_append(b, "],\"summary\":", 12) < 0)
+		return -ENOMEM;
+	if (!s)
+		rc = buf_append(b, "null", 4);
+	else
+		rc = message_write_contents(b, s);
+	if (rc < 0)
+		return rc;
+	return buf_append(b, "}", 1);
+}
+
 /* Content bytes for describe: raw, except NUL bytes, written as \0 so the text stays a C
  * string. */
-static void describe_text(struct buf *b, const struct text *t)
+static void describe_text(struct tbuf *b, const struct text *t)
 {
 	size_t start = 0;
 	for (size_t i = 0; i < t->len; i++) {
@@ -989,7 +1030,7 @@ static void describe_text(struct buf *b, const struct text *t)
 }
 
 /* The "{...}" metadata of a describe row, in the seed's order. */
-static void describe_metadata(struct buf *b, const struct message *m)
+static void describe_metadata(struct tbuf *b, const struct message *m)
 {
 	bool any = false;
 
@@ -1041,7 +1082,7 @@ static void describe_metadata(struct buf *b, const struct message *m)
 
 char *convo_describe(const struct convo *c)
 {
-	struct buf b = {0};
+	struct tbuf b = {0};
 	size_t first_pending = c->nlog;
 
 	buf_str(&b, "META MESSAGES ('*' -> first message to LLM, '-' -> next message to convert "

@@ -112,6 +112,10 @@ bool convo_pending(const struct message *m, enum consumer who);
  * convo_take(CONSUMER_CLIENT, exclude_last) as maps. {"messages": [MAP...]}; new reference
  * or NULL on ENOMEM (then nothing is marked taken). */
 json_t *convo_to_messages_map(struct convo *c, bool incremental, bool exclude_last);
+/* The two halves of convo_to_messages_map, for a caller that must deliver the result
+ * before the messages count as taken: the result alone (marks nothing), then the marks. */
+json_t *convo_to_messages_map_build(const struct convo *c, bool incremental, bool exclude_last);
+void convo_to_messages_map_taken(struct convo *c, bool exclude_last);
 
 enum render_format { RENDER_META = 0, RENDER_BEDROCK, RENDER_ANTHROPIC, RENDER_OPENAI };
 /* Returns the format for a wire name ("meta", ...) or -1. */
@@ -120,6 +124,10 @@ int convo_render_format(const char *name);
 /* get_messages: {"messages": [the LLM view in that format], "summary": [strings] or null}.
  * New reference or NULL on ENOMEM. */
 json_t *convo_get_messages(const struct convo *c, enum render_format fmt);
+struct buf;
+/* The text of convo_get_messages(c, RENDER_META) (the same bytes buf_append_json would
+ * write) written straight into b: get_messages' fast path. 0, -ENOMEM or -EINVAL. */
+int convo_write_messages(const struct convo *c, struct buf *b);
 
 /* describe: the seed's dump, one row per message:
  *   "META MESSAGES ('*' -> first message to LLM, '-' -> next message to convert into a Map, '^' -> last summary message):\n"

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "buf.h"
+
 static const char *const timing_names[TIMING_COUNT] = {
     "creation", "playStart", "playEnd", "listenStart", "listenEnd", "llmStart", "llmEnd",
 };
@@ -188,6 +190,85 @@ json_t *message_to_map(const struct message *m)
 fail:
 	json_decref(map);
 	return NULL;
+}
+
+/* Appends a C string literal. */
+#define PUT(b, lit) buf_append((b), (lit), sizeof(lit) - 1)
+
+int message_write_contents(struct buf *b, const struct message *m)
+{
+	if (PUT(b, "[") < 0)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < m->ncontents; i++) {
+		int rc;
+		if (i && PUT(b, ",") < 0)
+			return -ENOMEM;
+		if ((rc = buf_append_jstring(b, m->contents[i]->bytes, m->contents[i]->len)) < 0)
+			return rc;
+	}
+	return PUT(b, "]");
+}
+
+int message_write_map(struct buf *b, const struct message *m)
+{
+	const char *role = message_role_str(m->role);
+	bool first;
+	int rc;
+
+	/* Ids are ULIDs and role names plain ASCII: written without escaping. */
+	if (PUT(b, "{\"id\":\"") < 0 || buf_append(b, m->id, ULID_LEN) < 0 ||
+	    PUT(b, "\",\"message\":{\"role\":\"") < 0 || buf_append(b, role, strlen(role)) < 0 ||
+	    PUT(b, "\",\"contents\":") < 0)
+		return -ENOMEM;
+	if ((rc = message_write_contents(b, m)) < 0)
+		return rc;
+	if (PUT(b, "},\"metadata\":{") < 0)
+		return -ENOMEM;
+	first = true;
+	if (m->fake || m->merges) {
+		if (PUT(b, "\"attribute\":[") < 0)
+			return -ENOMEM;
+		if (m->fake && PUT(b, "\"fake\"") < 0)
+			return -ENOMEM;
+		for (uint32_t i = 0; i < m->merges; i++)
+			if (((m->fake || i) && PUT(b, ",") < 0) || PUT(b, "\"merged\"") < 0)
+				return -ENOMEM;
+		if (PUT(b, "]") < 0)
+			return -ENOMEM;
+		first = false;
+	}
+	if (m->nsummary_ids) {
+		if ((!first && PUT(b, ",") < 0) || PUT(b, "\"summaryIds\":[") < 0)
+			return -ENOMEM;
+		for (uint32_t i = 0; i < m->nsummary_ids; i++)
+			if ((i && PUT(b, ",") < 0) || PUT(b, "\"") < 0 ||
+			    buf_append(b, m->summary_ids[i], ULID_LEN) < 0 || PUT(b, "\"") < 0)
+				return -ENOMEM;
+		if (PUT(b, "]") < 0)
+			return -ENOMEM;
+		first = false;
+	}
+	if ((!first && PUT(b, ",") < 0) || PUT(b, "\"timing\":{") < 0)
+		return -ENOMEM;
+	first = true;
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		if (m->timing[k] < 0)
+			continue;
+		if ((!first && PUT(b, ",") < 0) || PUT(b, "\"") < 0 ||
+		    buf_append(b, timing_names[k], strlen(timing_names[k])) < 0 ||
+		    PUT(b, "\":") < 0 || buf_append_jint(b, m->timing[k]) < 0)
+			return -ENOMEM;
+		first = false;
+	}
+	if (PUT(b, "}") < 0)
+		return -ENOMEM;
+	if (m->aux) {
+		if (PUT(b, ",\"aux\":") < 0)
+			return -ENOMEM;
+		if ((rc = buf_append_json(b, m->aux)) < 0)
+			return rc;
+	}
+	return PUT(b, "}}");
 }
 
 enum error_code message_patch_parse(const json_t *timing, const json_t *aux, const char *where,

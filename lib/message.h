@@ -76,6 +76,14 @@ size_t message_text_bytes(const struct message *m);
  * unset metadata fields absent. New reference, NULL on allocation failure. */
 json_t *message_to_map(const struct message *m);
 
+struct buf;
+/* Appends the JSON text of message_to_map(m) (the same bytes buf_append_json would write)
+ * without building it: the fast path of get_messages. 0, -ENOMEM or -EINVAL (invalid UTF-8;
+ * the caller resets b->len either way). */
+int message_write_map(struct buf *b, const struct message *m);
+/* Appends m's contents as a JSON array of strings. As message_write_map. */
+int message_write_contents(struct buf *b, const struct message *m);
+
 /* Validated metadata of a request, ready to be applied without failing. */
 struct metadata_patch {
 	int64_t timing[TIMING_COUNT]; /* -1 = not given; [TIMING_CREATION] is never given */

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "buf.h"
+
 static const char *const op_names[OP_COUNT] = {
     [OP_UNKNOWN] = "unknown",
     [OP_ADD_USER] = "add_user",
@@ -532,8 +534,17 @@ static json_t *message_result(const struct message *m, const bool *merged)
 	return res;
 }
 
+/* The result is built: nothing went missing in jansson, and emit (when given) took it. */
+static bool delivered(const json_t *result, ops_emit_fn emit, void *emit_arg)
+{
+	if (!result || ops_json_alloc_failed())
+		return false;
+	return !emit || emit(emit_arg, result, NULL, 0) >= 0;
+}
+
 static enum error_code run_add(enum op op, struct convo *c, const struct convo_env *env,
-                               const json_t *req, json_t **result, bool *changed, struct error *err)
+                               const json_t *req, json_t **result, bool *changed, struct error *err,
+                               ops_emit_fn emit, void *emit_arg)
 {
 	struct contents ct;
 	struct metadata_patch patch;
@@ -550,7 +561,9 @@ static enum error_code run_add(enum op op, struct convo *c, const struct convo_e
 		goto out;
 	undo_save(&u, c, c->nlog ? c->log[c->nlog - 1] : NULL);
 	rc = convo_add(c, env, role, ct.texts, ct.lens, ct.n, &patch, &m, &merged, err);
-	if (!rc && !(*result = message_result(m, &merged))) {
+	if (!rc && !delivered(*result = message_result(m, &merged), emit, emit_arg)) {
+		json_decref(*result);
+		*result = NULL;
 		undo_apply(&u, c);
 		rc = error_set(err, ERR_INTERNAL, "out of memory");
 	}
@@ -564,7 +577,7 @@ out:
 
 static enum error_code run_add_summary(struct convo *c, const struct convo_env *env,
                                        const json_t *req, json_t **result, bool *changed,
-                                       struct error *err)
+                                       struct error *err, ops_emit_fn emit, void *emit_arg)
 {
 	struct contents ct;
 	struct message *m = NULL;
@@ -582,7 +595,9 @@ static enum error_code run_add_summary(struct convo *c, const struct convo_env *
 	undo_save(&u, c, NULL);
 	rc = convo_add_summary(c, env, ct.texts, ct.lens, ct.n, ids, nids, versions, nversions, &m,
 	                       err);
-	if (!rc && !(*result = message_result(m, NULL))) {
+	if (!rc && !delivered(*result = message_result(m, NULL), emit, emit_arg)) {
+		json_decref(*result);
+		*result = NULL;
 		u.inserted = c->last_summary;
 		undo_apply(&u, c);
 		rc = error_set(err, ERR_INTERNAL, "out of memory");
@@ -599,7 +614,7 @@ out:
 
 static enum error_code run_set_metadata(struct convo *c, const struct convo_env *env,
                                         const json_t *req, json_t **result, bool *changed,
-                                        struct error *err)
+                                        struct error *err, ops_emit_fn emit, void *emit_arg)
 {
 	struct metadata_patch patch;
 	const json_t *id;
@@ -616,7 +631,9 @@ static enum error_code run_set_metadata(struct convo *c, const struct convo_env 
 	struct message *m = c->log[i];
 	undo_save(&u, c, m);
 	rc = convo_set_metadata(c, env, (size_t)i, &patch, err);
-	if (!rc && !(*result = message_result(m, NULL))) {
+	if (!rc && !delivered(*result = message_result(m, NULL), emit, emit_arg)) {
+		json_decref(*result);
+		*result = NULL;
 		undo_apply(&u, c);
 		rc = error_set(err, ERR_INTERNAL, "out of memory");
 	}
@@ -626,8 +643,9 @@ static enum error_code run_set_metadata(struct convo *c, const struct convo_env 
 	return rc;
 }
 
-enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env, const json_t *req,
-                        json_t **result, bool *changed, struct error *err)
+static enum error_code run(enum op op, struct convo *c, const struct convo_env *env,
+                           const json_t *req, json_t **result, bool *changed, struct error *err,
+                           ops_emit_fn emit, void *emit_arg)
 {
 	struct summary_format f;
 	enum render_format fmt = RENDER_META;
@@ -644,14 +662,25 @@ enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env
 	case OP_ADD_USER:
 	case OP_ADD_ASSISTANT:
 	case OP_ADD_MESSAGE:
-		return run_add(op, c, env, req, result, changed, err);
+		return run_add(op, c, env, req, result, changed, err, emit, emit_arg);
 	case OP_ADD_SUMMARY:
-		return run_add_summary(c, env, req, result, changed, err);
+		return run_add_summary(c, env, req, result, changed, err, emit, emit_arg);
 	case OP_SET_METADATA:
-		return run_set_metadata(c, env, req, result, changed, err);
+		return run_set_metadata(c, env, req, result, changed, err, emit, emit_arg);
 	case OP_GET_MESSAGES:
 		if ((rc = render_parse(req, &fmt, err)))
 			return rc;
+		if (emit && fmt == RENDER_META) {
+			/* Written straight to text: no tree of the whole view. */
+			struct buf b = {NULL, 0, 0};
+			int wrc = convo_write_messages(c, &b);
+			if (wrc == 0)
+				wrc = emit(emit_arg, NULL, b.data, b.len);
+			buf_free(&b);
+			if (wrc < 0)
+				return error_set(err, ERR_INTERNAL, "out of memory");
+			return ERR_OK;
+		}
 		*result = convo_get_messages(c, fmt);
 		break;
 	case OP_GET_SUMMARY_INFO:
@@ -666,8 +695,13 @@ enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env
 		if ((rc = bool_parse(req, "incremental", true, &incremental, err)) ||
 		    (rc = bool_parse(req, "exclude_last", true, &exclude_last, err)))
 			return rc;
-		*result = convo_to_messages_map(c, incremental, exclude_last);
-		break;
+		*result = convo_to_messages_map_build(c, incremental, exclude_last);
+		if (!delivered(*result, emit, emit_arg))
+			goto oom;
+		/* Taken only once the client has them. */
+		if (incremental)
+			convo_to_messages_map_taken(c, exclude_last);
+		return ERR_OK;
 	case OP_DESCRIBE:
 		text = convo_describe(c);
 		if (text) {
@@ -683,7 +717,57 @@ enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env
 	default:
 		return error_set(err, ERR_INTERNAL, "%s: not a conversation op", ops_name(op));
 	}
-	if (!*result)
-		return error_set(err, ERR_INTERNAL, "out of memory");
-	return ERR_OK;
+	if (delivered(*result, emit, emit_arg))
+		return ERR_OK;
+oom:
+	json_decref(*result);
+	*result = NULL;
+	return error_set(err, ERR_INTERNAL, "out of memory");
+}
+
+enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env, const json_t *req,
+                        json_t **result, bool *changed, struct error *err)
+{
+	ops_json_alloc_reset();
+	return run(op, c, env, req, result, changed, err, NULL, NULL);
+}
+
+enum error_code ops_run_emit(enum op op, struct convo *c, const struct convo_env *env,
+                             const json_t *req, ops_emit_fn emit, void *emit_arg, bool *changed,
+                             struct error *err)
+{
+	json_t *result = NULL;
+	enum error_code rc;
+
+	ops_json_alloc_reset();
+	rc = run(op, c, env, req, &result, changed, err, emit, emit_arg);
+	json_decref(result);
+	return rc;
+}
+
+static void *(*json_inner_malloc)(size_t) = malloc;
+static bool json_alloc_failed;
+
+static void *json_counted_malloc(size_t n)
+{
+	void *p = json_inner_malloc(n);
+	if (!p)
+		json_alloc_failed = true;
+	return p;
+}
+
+void ops_json_alloc_init(void *(*m)(size_t), void (*f)(void *))
+{
+	json_inner_malloc = m;
+	json_set_alloc_funcs(json_counted_malloc, f);
+}
+
+bool ops_json_alloc_failed(void)
+{
+	return json_alloc_failed;
+}
+
+void ops_json_alloc_reset(void)
+{
+	json_alloc_failed = false;
 }

@@ -64,4 +64,26 @@ enum error_code ops_check(enum op op, const json_t *req, struct error *err);
 enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env,
 			const json_t *req, json_t **result, bool *changed, struct error *err);
 
+/* Delivers a result while the op can still be undone: ops_run_emit calls it once the
+ * result is built and before the change (or to_messages_map's marks) becomes final. The
+ * result is a jansson value, or (result NULL) its JSON text already written, text[0..len).
+ * A negative return means the result could not be delivered (ENOMEM writing the answer):
+ * the op is undone and ERR_INTERNAL returned. The callback borrows what it is given. */
+typedef int (*ops_emit_fn)(void *arg, const json_t *result, const char *text, size_t len);
+
+/* ops_run, handing the result to emit instead of returning it: on ERR_OK the result was
+ * delivered and the change made; otherwise c is as before and nothing was delivered. */
+enum error_code ops_run_emit(enum op op, struct convo *c, const struct convo_env *env,
+			     const json_t *req, ops_emit_fn emit, void *emit_arg, bool *changed,
+			     struct error *err);
+
+/* jansson's allocator reports no failure in some paths (its parser drops a byte of a string
+ * or calls ENOMEM a syntax error; some setters fail silently). ops_json_alloc_init installs
+ * wrappers around m and f that remember a failed allocation; ops_run and the daemon's
+ * parser check ops_json_alloc_failed() after their jansson calls and answer internal. */
+void ops_json_alloc_init(void *(*m)(size_t), void (*f)(void *));
+/* A jansson allocation failed since the last ops_json_alloc_reset. */
+bool ops_json_alloc_failed(void);
+void ops_json_alloc_reset(void);
+
 #endif
