@@ -41,7 +41,7 @@ static const char *const op_names[OP__COUNT] = {
     "to_messages_map", "get_summary_info", "add_summary",
 };
 
-enum mix { MIX_VOICE, MIX_ADDS_ONLY };
+enum mix { MIX_VOICE, MIX_ADDS_ONLY, MIX_READS };
 
 enum phase { PHASE_CONNECTING, PHASE_WARMUP, PHASE_MEASURE, PHASE_DRAIN, PHASE_DONE };
 
@@ -211,6 +211,8 @@ static uint8_t conv_next_op(struct bench *b, struct conv *cv)
 		memmove(cv->queue, cv->queue + 1, --cv->qlen);
 		return op;
 	}
+	if (b->opt.mix == MIX_READS && !in_fill(b))
+		return OP_GET_MESSAGES;
 	if (b->opt.rotate_after && !in_fill(b) && cv->adds >= b->opt.rotate_after) {
 		cv->gen++;
 		cv->adds = 0;
@@ -796,7 +798,9 @@ static int report(struct bench *b, long rss_before, long rss_after, long hwm_aft
 	double window, secs, rps;
 	uint64_t total;
 	const char *mode = in_fill(b) ? "fill" : "load";
-	const char *mix = b->opt.mix == MIX_VOICE ? "voice" : "adds-only";
+	const char *mix = b->opt.mix == MIX_VOICE       ? "voice"
+	                  : b->opt.mix == MIX_ADDS_ONLY ? "adds-only"
+	                                                : "reads";
 
 	bench_hist_reset(&all);
 	for (int i = 0; i < OP__COUNT; i++)
@@ -918,7 +922,10 @@ static void usage(FILE *f)
 	    "  --duration SEC             measured time (10)\n"
 	    "  --requests TOTAL           stop after TOTAL measured requests instead\n"
 	    "  --warmup SEC               unmeasured load before measuring (0)\n"
-	    "  --mix voice|adds-only      request mix (voice)\n"
+	    "  --mix voice|adds-only|reads  request mix (voice); adds-only: add_user and\n"
+	    "                             add_assistant alternating in each conversation;\n"
+	    "                             reads: get_messages (format meta) only, on\n"
+	    "                             conversations that must already exist\n"
 	    "  --message-bytes B          bytes of text per message (40)\n"
 	    "  --read-every K             get_messages + to_messages_map every K adds (4, 0 off)\n"
 	    "  --summary-every S          get_summary_info + add_summary every S adds (0 off)\n"
@@ -1085,6 +1092,8 @@ static int parse_options(int argc, char **argv, struct options *o)
 				o->mix = MIX_VOICE;
 			else if (strcmp(optarg, "adds-only") == 0)
 				o->mix = MIX_ADDS_ONLY;
+			else if (strcmp(optarg, "reads") == 0)
+				o->mix = MIX_READS;
 			else
 				r = -EINVAL;
 			break;

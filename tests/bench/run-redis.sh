@@ -1,0 +1,469 @@
+#!/bin/sh
+# convod against Redis on the same machine, in one go: Debian's redis-server on a temporary
+# Unix socket driven by redis-benchmark (LPUSH), convod driven by convod-bench (add_user and
+# add_assistant alternating in each conversation, the adds-only mix) at the same concurrency,
+# and the json-baseline floor. Prints each pair side by side with the ratio convod / other
+# and PASS or FAIL against the targets of issue 5. Builds nothing.
+#
+# Pairs (CONNECTIONS connections, MESSAGE_BYTES-byte messages / LPUSH values):
+#   (a) no pipelining: convod --durability process (the default) vs LPUSH, AOF off; target
+#       ratio >= 1.0. convod --memory-only is shown too, for information. And convod's p99
+#       latency in that run; target < 1 ms.
+#   (b) pipeline PIPELINE: convod (process) vs LPUSH -P PIPELINE, no target (there JSON is
+#       the floor, not the socket), and convod vs json-baseline under the same convod-bench
+#       load, target >= 0.8; convod --memory-only for information in both.
+#   (c) durable, no pipelining: convod --durability process vs Redis appendonly yes,
+#       appendfsync everysec; convod --durability machine vs appendfsync always; target
+#       >= 1.0 for both.
+# Every server is fresh (new process, new state or AOF directory under TMPDIR, whose file
+# system decides what an fsync costs) and each pair runs back to back. convod-bench measures
+# DURATION seconds after WARMUP seconds of unmeasured load; redis-benchmark has no duration,
+# so each Redis run is first calibrated (-n grown x8 until a run lasts >= 0.3 s, which also
+# warms the server up) and then measured with -n = calibrated req/s x DURATION. Redis'
+# req/s and latencies come from its --csv output.
+#
+# usage: tests/bench/run-redis.sh [options] [BUILD]     (BUILD defaults to "build")
+#   --duration SEC     measured seconds per run (DURATION, 5)
+#   --quick            a smoke run: 0.3 s per run, 0.1 s warmup, 0.1 s Redis calibration
+#   --require-redis    fail (exit 2) when redis-server or redis-benchmark is missing;
+#                      without it the Redis pairs are skipped with a note and the rest runs
+#   --no-redis         skip the Redis pairs even when Redis is installed
+#   --strict           exit 1 when a target is missed (default: only errors fail the run)
+# environment (defaults): DURATION=5 WARMUP=1 CONNECTIONS=50 CONVERSATIONS=1000 PIPELINE=16
+#   MESSAGE_BYTES=40 BENCH_ARGS="" (extra convod-bench options) CONVOD_ARGS="" (extra convod
+#   options) TMPDIR (/tmp)
+# exit: 0 done (targets missed are reported, not fatal unless --strict), 1 a run failed, had
+#   request errors or a server died (or a target was missed with --strict), 2 usage or
+#   missing binaries.
+set -eu
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=
+quick=0
+require_redis=0
+use_redis=1
+strict=0
+while [ $# -gt 0 ]; do
+	case $1 in
+	--duration)
+		[ $# -ge 2 ] || { echo "run-redis: --duration needs a value" >&2; exit 2; }
+		DURATION=$2
+		shift 2
+		;;
+	--duration=*)
+		DURATION=${1#--duration=}
+		shift
+		;;
+	--quick)
+		quick=1
+		shift
+		;;
+	--require-redis)
+		require_redis=1
+		shift
+		;;
+	--no-redis)
+		use_redis=0
+		shift
+		;;
+	--strict)
+		strict=1
+		shift
+		;;
+	-h | --help)
+		sed -n '2,/^set -eu/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+		exit 0
+		;;
+	-*)
+		echo "run-redis: unknown option $1 (see --help)" >&2
+		exit 2
+		;;
+	*)
+		[ -z "$build" ] || { echo "run-redis: one BUILD directory only" >&2; exit 2; }
+		build=$1
+		shift
+		;;
+	esac
+done
+build=${build:-build}
+if [ ! -d "$build" ] && [ -d "$root/$build" ]; then
+	build=$root/$build
+fi
+convod=$build/daemon/convod
+bench=$build/tests/bench/convod-bench
+baseline=$build/tests/bench/json-baseline
+for f in "$convod" "$bench" "$baseline"; do
+	if [ ! -x "$f" ]; then
+		echo "run-redis: $f is missing; build first (meson compile -C $build)" >&2
+		exit 2
+	fi
+done
+
+CAL_SECS=0.3
+if [ $quick = 1 ]; then
+	DURATION=${DURATION:-0.3}
+	WARMUP=${WARMUP:-0.1}
+	CAL_SECS=0.1
+fi
+DURATION=${DURATION:-5}
+WARMUP=${WARMUP:-1}
+CONNECTIONS=${CONNECTIONS:-50}
+CONVERSATIONS=${CONVERSATIONS:-1000}
+PIPELINE=${PIPELINE:-16}
+MESSAGE_BYTES=${MESSAGE_BYTES:-40}
+BENCH_ARGS=${BENCH_ARGS:-}
+CONVOD_ARGS=${CONVOD_ARGS:-}
+case $DURATION in
+'' | *[!0-9.]* | *.*.* | .)
+	echo "run-redis: bad duration '$DURATION'" >&2
+	exit 2
+	;;
+esac
+
+redis_note=
+if [ $use_redis = 0 ]; then
+	redis_note="skipped (--no-redis)"
+elif ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
+	if [ $require_redis = 1 ]; then
+		echo "run-redis: redis-server or redis-benchmark is missing (apt install redis-server" \
+			"redis-tools) and --require-redis was given" >&2
+		exit 2
+	fi
+	redis_note="skipped: redis-server or redis-benchmark is not installed"
+	echo "run-redis: $redis_note; only the json-baseline pair and the latency target run" >&2
+	use_redis=0
+fi
+
+dir=$(mktemp -d "${TMPDIR:-/tmp}/convod-redis.XXXXXX")
+server_pid=
+server_name=
+status=0
+
+# shellcheck disable=SC2317 # called by the trap
+cleanup() {
+	if [ -n "$server_pid" ]; then
+		kill -TERM "$server_pid" 2>/dev/null || true
+		wait "$server_pid" 2>/dev/null || true
+	fi
+	rm -rf "$dir"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# start_server NAME LOG COMMAND...: runs a server in the background, waits for $sock
+start_server() {
+	server_name=$1
+	log=$2
+	shift 2
+	rm -f "$sock"
+	"$@" >"$log" 2>&1 &
+	server_pid=$!
+	i=0
+	while [ ! -S "$sock" ]; do
+		i=$((i + 1))
+		if [ $i -gt 200 ] || ! kill -0 "$server_pid" 2>/dev/null; then
+			echo "run-redis: $server_name did not come up; its log:" >&2
+			tail -n 20 "$log" >&2
+			exit 1
+		fi
+		sleep 0.05
+	done
+}
+
+stop_server() {
+	if [ -n "$server_pid" ]; then
+		kill -TERM "$server_pid" 2>/dev/null || true
+		if ! wait "$server_pid"; then
+			echo "run-redis: $server_name did not exit cleanly on SIGTERM" >&2
+			status=1
+		fi
+		server_pid=
+	fi
+}
+
+# start_convod TAG CONVOD-OPTIONS...: a fresh daemon on a fresh state directory, no AWS sink
+start_convod() {
+	tag=$1
+	shift
+	rm -rf "$dir/state"
+	mkdir -p "$dir/state"
+	sock=$dir/convod.sock
+	# shellcheck disable=SC2086
+	start_server "convod ($tag)" "$dir/convod-$tag.log" env -u AWS_REGION \
+		-u AWS_DEFAULT_REGION -u AWS_ENDPOINT_URL -u AWS_ENDPOINT_URL_DYNAMODB -u AWS_PROFILE \
+		"$convod" --socket "$sock" --state-dir "$dir/state" --log-level warn "$@" $CONVOD_ARGS
+}
+
+start_baseline() {
+	sock=$dir/baseline.sock
+	start_server json-baseline "$dir/baseline.log" "$baseline" --socket "$sock"
+}
+
+# start_redis TAG REDIS-OPTIONS...: a fresh redis-server, no RDB snapshots, its own directory
+start_redis() {
+	tag=$1
+	shift
+	rm -rf "$dir/redis"
+	mkdir -p "$dir/redis"
+	sock=$dir/redis.sock
+	start_server "redis-server ($tag)" "$dir/redis-$tag.log" redis-server --port 0 \
+		--unixsocket "$sock" --unixsocketperm 700 --save '' --dir "$dir/redis" \
+		--daemonize no --logfile '' "$@"
+}
+
+# bench_run KEY PIPELINE: one convod-bench adds-only run against $sock, a row of results
+bench_run() {
+	key=$1
+	echo "run-redis: $key ..." >&2
+	rc=0
+	# shellcheck disable=SC2086
+	"$bench" --socket "$sock" --json --mix adds-only --connections "$CONNECTIONS" \
+		--conversations "$CONVERSATIONS" --pipeline "$2" --duration "$DURATION" \
+		--warmup "$WARMUP" --message-bytes "$MESSAGE_BYTES" $BENCH_ARGS \
+		>"$dir/out.json" 2>"$dir/bench.err" || rc=$?
+	if [ $rc -ne 0 ]; then
+		status=1
+		sed 's/^/  /' "$dir/bench.err" >&2
+	fi
+	if [ -s "$dir/out.json" ]; then
+		printf '%s\tbench\t%s\n' "$key" "$(cat "$dir/out.json")" >>"$dir/results"
+	else
+		printf '%s\tfailed\texit %s\n' "$key" "$rc" >>"$dir/results"
+	fi
+	if ! kill -0 "$server_pid" 2>/dev/null; then
+		echo "run-redis: $server_name died during $key" >&2
+		status=1
+	fi
+}
+
+# redis_csv N PIPELINE: the LPUSH row of redis-benchmark --csv, or nothing
+redis_csv() {
+	redis-benchmark -s "$sock" -c "$CONNECTIONS" -P "$2" -n "$1" -d "$MESSAGE_BYTES" \
+		-t lpush --csv 2>"$dir/redis-benchmark.err" | grep '^"LPUSH",' || true
+}
+
+# redis_run KEY PIPELINE: calibrates -n, then one measured redis-benchmark run
+redis_run() {
+	key=$1
+	echo "run-redis: $key ..." >&2
+	n=$((CONNECTIONS * $2 * 20))
+	tries=0
+	measured=
+	while :; do
+		csv=$(redis_csv "$n" "$2")
+		rps=$(printf '%s\n' "$csv" | awk -F, '{ gsub(/"/, ""); print $2 }')
+		if [ -z "$rps" ]; then
+			break
+		fi
+		tries=$((tries + 1))
+		# long enough (>= CAL_SECS) to trust the rate, or four tries: size the measured run
+		if [ $tries -ge 4 ] ||
+			awk -v n="$n" -v r="$rps" -v s="$CAL_SECS" 'BEGIN { exit !(n / r >= s) }'; then
+			n=$(awk -v r="$rps" -v d="$DURATION" -v c="$CONNECTIONS" -v p="$2" \
+				'BEGIN { n = int(r * d); if (n < c * p) n = c * p; print n }')
+			measured=$(redis_csv "$n" "$2")
+			break
+		fi
+		n=$((n * 8))
+	done
+	if [ -n "$measured" ]; then
+		printf '%s\tredis\t%s,%s,%s\n' "$key" "$n" "$2" "$measured" >>"$dir/results"
+	else
+		status=1
+		sed 's/^/  /' "$dir/redis-benchmark.err" >&2
+		printf '%s\tfailed\tredis-benchmark gave no LPUSH row\n' "$key" >>"$dir/results"
+	fi
+	if ! kill -0 "$server_pid" 2>/dev/null; then
+		echo "run-redis: $server_name died during $key" >&2
+		status=1
+	fi
+}
+
+: >"$dir/results"
+load_before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
+
+# (a) 50 connections, no pipelining
+start_convod a-process --durability process
+bench_run a.convod 1
+stop_server
+start_convod a-memory --memory-only
+bench_run a.convod_memory 1
+stop_server
+if [ $use_redis = 1 ]; then
+	start_redis a --appendonly no
+	redis_run a.redis 1
+	stop_server
+fi
+
+# (b) pipeline
+start_convod b-process --durability process
+bench_run b.convod "$PIPELINE"
+stop_server
+start_convod b-memory --memory-only
+bench_run b.convod_memory "$PIPELINE"
+stop_server
+start_baseline
+bench_run b.baseline "$PIPELINE"
+stop_server
+if [ $use_redis = 1 ]; then
+	start_redis b --appendonly no
+	redis_run b.redis "$PIPELINE"
+	stop_server
+fi
+
+# (c) durable, no pipelining
+start_convod c-process --durability process
+bench_run c.convod_process 1
+stop_server
+if [ $use_redis = 1 ]; then
+	start_redis c-everysec --appendonly yes --appendfsync everysec
+	redis_run c.redis_everysec 1
+	stop_server
+fi
+start_convod c-machine --durability machine
+bench_run c.convod_machine 1
+stop_server
+if [ $use_redis = 1 ]; then
+	start_redis c-always --appendonly yes --appendfsync always
+	redis_run c.redis_always 1
+	stop_server
+fi
+
+fs=$(findmnt -n -o FSTYPE -T "$dir" 2>/dev/null || stat -f -c %T "$dir" 2>/dev/null || echo "?")
+redis_version=
+if [ $use_redis = 1 ]; then
+	redis_version=$(redis-server --version | sed -n 's/.* v=\([^ ]*\).*/\1/p')
+fi
+load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
+verdict=0
+python3 - "$dir/results" "$DURATION" "$WARMUP" "$CONNECTIONS" "$PIPELINE" "$MESSAGE_BYTES" \
+	"$fs" "${TMPDIR:-/tmp}" "$redis_version" "$redis_note" "$load_before" "$load_after" \
+	<<'EOF' || verdict=$?
+import json, sys
+
+(path, duration, warmup, conns, pipeline, msg_bytes, fs, tmpdir, redis_version, redis_note,
+ load_before, load_after) = sys.argv[1:13]
+runs = {}
+order = []
+for raw in open(path):
+    key, kind, payload = raw.rstrip("\n").split("\t", 2)
+    order.append(key)
+    if kind == "bench":
+        r = json.loads(payload)
+        r["label"] = "convod-bench"
+        runs[key] = r
+    elif kind == "redis":
+        # n,pipeline,"LPUSH",rps,avg_ms,min_ms,p50_ms,p95_ms,p99_ms,max_ms
+        f = [x.strip('"') for x in payload.split(",")]
+        if len(f) != 10:
+            runs[key] = "unreadable redis-benchmark row: " + payload
+            continue
+        ms = lambda x: float(x) * 1000.0
+        runs[key] = {"requests": int(f[0]), "pipeline": int(f[1]), "throughput_rps": float(f[3]),
+                     "latency_us": {"p50": ms(f[6]), "p99": ms(f[8]), "p999": float("nan"),
+                                    "max": ms(f[9])},
+                     "errors": {"total": 0, "by_code": {}}, "label": "redis-benchmark"}
+    else:
+        runs[key] = "FAILED: " + payload
+
+def rps(key):
+    r = runs.get(key)
+    return r["throughput_rps"] if isinstance(r, dict) else None
+
+missed = skipped = 0
+# (label, convod key, other key, target ratio or None for information)
+pairs = [
+    ("(a) p1  adds, process  / LPUSH", "a.convod", "a.redis", 1.0),
+    ("    p1  adds, memory-only / LPUSH", "a.convod_memory", "a.redis", None),
+    ("(b) p%s adds, process  / LPUSH -P %s" % (pipeline, pipeline), "b.convod", "b.redis", None),
+    ("    p%s adds, memory-only / LPUSH -P %s" % (pipeline, pipeline), "b.convod_memory",
+     "b.redis", None),
+    ("(b) p%s adds, process  / json-baseline" % pipeline, "b.convod", "b.baseline", 0.8),
+    ("    p%s adds, memory-only / json-baseline" % pipeline, "b.convod_memory", "b.baseline",
+     None),
+    ("(c) p1  process / LPUSH everysec", "c.convod_process", "c.redis_everysec", 1.0),
+    ("(c) p1  machine / LPUSH always", "c.convod_machine", "c.redis_always", 1.0),
+]
+head = "%-44s %12s %12s %8s %7s  %s" % ("pair", "convod req/s", "other req/s", "ratio",
+                                        "target", "result")
+print("convod vs %s and json-baseline: %s connections, %s-byte messages, %s s measured per run"
+      % ("Redis " + redis_version if redis_version else "Redis", conns, msg_bytes, duration))
+print("(convod-bench after %s s warmup; redis-benchmark -n from a calibration), state and AOF"
+      " on %s (%s)" % (warmup, fs, tmpdir))
+print("load average before %s, after %s (2-core machine: anything above ~0.5 before means"
+      " noise)" % (load_before, load_after))
+if redis_note:
+    print("Redis pairs: " + redis_note)
+print()
+print(head)
+print("-" * len(head))
+for label, ck, ok_, target in pairs:
+    c, o = rps(ck), rps(ok_)
+    tgt = ">= %.1f" % target if target is not None else "info"
+    if ok_ not in runs and ".redis" in ok_:
+        print("%-44s %12s %12s %8s %7s  %s" % (label, "%.0f" % c if c else "-", "-", "-", tgt,
+                                               "SKIP" if target is not None else ""))
+        skipped += target is not None
+        continue
+    if c is None or o is None or o <= 0:
+        print("%-44s %12s %12s %8s %7s  %s" % (label, "%.0f" % c if c else "FAILED",
+                                               "%.0f" % o if o else "FAILED", "-", tgt,
+                                               "FAIL" if target is not None else ""))
+        if target is not None:
+            missed += 1
+        continue
+    ratio = c / o
+    result = ""
+    if target is not None:
+        result = "PASS" if ratio >= target else "FAIL"
+        missed += result == "FAIL"
+    print("%-44s %12.0f %12.0f %8.2f %7s  %s" % (label, c, o, ratio, tgt, result))
+r = runs.get("a.convod")
+if isinstance(r, dict):
+    p99 = r["latency_us"]["p99"]
+    ok = p99 < 1000.0
+    missed += not ok
+    print("%-44s %12s %12s %8s %7s  %s" % ("(a) p1  adds, process: p99 latency", "%.0f us" % p99,
+                                           "", "", "< 1 ms", "PASS" if ok else "FAIL"))
+else:
+    missed += 1
+    print("%-44s %12s %12s %8s %7s  %s" % ("(a) p1  adds, process: p99 latency", "FAILED", "", "",
+                                           "< 1 ms", "FAIL"))
+
+names = {
+    "a.convod": "convod process p1", "a.convod_memory": "convod memory-only p1",
+    "a.redis": "redis LPUSH p1", "b.convod": "convod process p%s" % pipeline,
+    "b.convod_memory": "convod memory-only p%s" % pipeline,
+    "b.baseline": "json-baseline p%s" % pipeline, "b.redis": "redis LPUSH p%s" % pipeline,
+    "c.convod_process": "convod process p1", "c.redis_everysec": "redis AOF everysec p1",
+    "c.convod_machine": "convod machine p1", "c.redis_always": "redis AOF always p1",
+}
+print()
+head = "%-26s %10s %10s %9s %9s %9s %9s %7s" % ("run", "requests", "req/s", "p50 us", "p99 us",
+                                               "p99.9 us", "max us", "errors")
+print(head)
+print("-" * len(head))
+us = lambda x: "%9s" % "-" if x != x else "%9.0f" % x
+for key in order:
+    r = runs[key]
+    name = "%s %s" % (key.split(".")[0], names.get(key, key))
+    if isinstance(r, str):
+        print("%-26s %s" % (name, r))
+        continue
+    lat = r["latency_us"]
+    print("%-26s %10d %10.0f %s %s %s %s %7d" % (name, r["requests"], r["throughput_rps"],
+                                                us(lat["p50"]), us(lat["p99"]), us(lat["p999"]),
+                                                us(lat["max"]), r["errors"]["total"]))
+    for code, n in sorted(r["errors"]["by_code"].items()):
+        print("%-26s   %s: %d" % ("", code, n))
+print()
+print("targets: %s missed" % missed if missed else "targets: all met", end="")
+print(", %d skipped (no Redis run)" % skipped if skipped else "")
+sys.exit(3 if missed else 0)
+EOF
+case $verdict in
+0) ;;
+3) [ $strict = 0 ] || status=1 ;;
+*) status=1 ;;
+esac
+exit $status
