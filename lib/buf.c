@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int buf_reserve(struct buf *b, size_t n)
+int buf_grow(struct buf *b, size_t n)
 {
 	size_t ncap;
 	char *p;
@@ -31,7 +31,7 @@ int buf_reserve(struct buf *b, size_t n)
 	return 0;
 }
 
-int buf_append(struct buf *b, const void *p, size_t n)
+int buf_append_slow(struct buf *b, const void *p, size_t n)
 {
 	if (n == 0)
 		return 0; /* memcpy must not see an empty buffer's NULL */

@@ -6,16 +6,34 @@
 #include <jansson.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 struct buf {
 	char *data; /* owned */
 	size_t len, cap;
 };
 
+/* The slow paths of buf_reserve and buf_append (growing the buffer). */
+int buf_grow(struct buf *b, size_t n);
+int buf_append_slow(struct buf *b, const void *p, size_t n);
+
 /* Makes room for n more bytes. 0 or -ENOMEM. */
-int buf_reserve(struct buf *b, size_t n);
-/* Appends n bytes. 0 or -ENOMEM (b unchanged). */
-int buf_append(struct buf *b, const void *p, size_t n);
+static inline int buf_reserve(struct buf *b, size_t n)
+{
+	return b->cap - b->len >= n ? 0 : buf_grow(b, n);
+}
+
+/* Appends n bytes. 0 or -ENOMEM (b unchanged). Inline: the JSON writers append a few
+ * bytes at a time. */
+static inline int buf_append(struct buf *b, const void *p, size_t n)
+{
+	if (n && b->cap - b->len >= n) {
+		memcpy(b->data + b->len, p, n);
+		b->len += n;
+		return 0;
+	}
+	return buf_append_slow(b, p, n);
+}
 /* Appends the compact JSON text of j (any value). 0, -ENOMEM or -EINVAL. */
 int buf_append_json(struct buf *b, const json_t *j);
 /* Appends s[0..n) as a JSON string (as jansson escapes it). 0, -ENOMEM, or -EINVAL for

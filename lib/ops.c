@@ -673,7 +673,10 @@ static enum error_code run(enum op op, struct convo *c, const struct convo_env *
 		if (emit && fmt == RENDER_META) {
 			/* Written straight to text: no tree of the whole view. */
 			struct buf b = {NULL, 0, 0};
-			int wrc = convo_write_messages(c, &b);
+			/* Room for the usual answer at once: the text and ~200 bytes a message. */
+			int wrc = buf_reserve(&b, c->text_bytes + 256 * c->nlog + 64);
+			if (wrc == 0)
+				wrc = convo_write_messages(c, &b);
 			if (wrc == 0)
 				wrc = emit(emit_arg, NULL, b.data, b.len);
 			buf_free(&b);
