@@ -2,12 +2,22 @@
 
 CONVOD_BIN / CONVOCTL_BIN name the binaries under test (tests/run sets them for each
 build); by default the ones in build/.
+
+CONVOD_VALGRIND=1 runs every program of the project that the tests start (convod, convoctl,
+the probes) under valgrind's memcheck: CONVOD, CONVOCTL, SINK_PROBE_BIN and
+DDBCLIENT_PROBE_BIN then name small wrapper scripts that exec valgrind on the real binary,
+each process writing its report to its own log. Any memory error, and any definite or
+indirect leak, fails the test that started the process (its report is printed). Waits of
+this harness are multiplied by TIMEOUT_SCALE (CONVOD_TIMEOUT_SCALE, 10 under valgrind).
 """
+import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -15,8 +25,134 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONVOD = os.environ.get("CONVOD_BIN", os.path.join(ROOT, "build", "daemon", "convod"))
-CONVOCTL = os.environ.get("CONVOCTL_BIN", os.path.join(ROOT, "build", "clients", "convoctl"))
+CONVOD_REAL = os.environ.get("CONVOD_BIN", os.path.join(ROOT, "build", "daemon", "convod"))
+CONVOCTL_REAL = os.environ.get("CONVOCTL_BIN",
+                               os.path.join(ROOT, "build", "clients", "convoctl"))
+
+# --- valgrind ------------------------------------------------------------------------------
+
+VALGRIND = os.environ.get("CONVOD_VALGRIND", "") not in ("", "0")
+TIMEOUT_SCALE = float(os.environ.get("CONVOD_TIMEOUT_SCALE", "10" if VALGRIND else "1"))
+# For the tests' own waits: float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")).
+os.environ["CONVOD_TIMEOUT_SCALE"] = repr(TIMEOUT_SCALE)
+VALGRIND_OPTIONS = ["-q", "--error-exitcode=99", "--leak-check=full",
+                    "--errors-for-leak-kinds=definite,indirect",
+                    "--show-leak-kinds=definite,indirect", "--trace-children=no",
+                    "--child-silent-after-fork=yes", "--num-callers=40"]
+# A report holds an error or a leak when it has a stack ("at 0x..." / "by 0x..."): valgrind's
+# warnings without -v (an unhandled ioctl, a large range of address perms) have none.
+_VG_STACK = re.compile(r"^==\d+==\s+(at|by) 0x", re.M)
+
+
+def scaled(seconds):
+    """A wait of this harness, longer under valgrind."""
+    return seconds * TIMEOUT_SCALE
+
+
+def _valgrind_setup():
+    """Makes the wrapper scripts; returns (their directory, the reports' directory)."""
+    vg = shutil.which("valgrind")
+    if vg is None:
+        raise RuntimeError("CONVOD_VALGRIND is set but valgrind is not installed")
+    top = tempfile.mkdtemp(prefix="convod-vg-")
+    atexit.register(shutil.rmtree, top, True)
+    logs = os.path.join(top, "logs")
+    os.mkdir(logs)
+    return top, logs
+
+
+def _valgrind_wrapper(top, logs, real):
+    """A script that execs valgrind on real with its arguments: the pid stays the one the
+    test started (signals, LISTEN_PID, MAINPID), the report goes to logs/<pid>.vg."""
+    path = os.path.join(top, os.path.basename(real))
+    opts = " ".join(VALGRIND_OPTIONS + ["--log-file=" + os.path.join(logs, "%p.vg")])
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\nexec %s %s '%s' \"$@\"\n" % (shutil.which("valgrind"), opts, real))
+    os.chmod(path, stat.S_IRWXU)
+    return path
+
+
+def _probe_real(env_var, name):
+    """Where test_sink.py / test_ddbclient.py look for a probe when env_var is not set."""
+    if os.environ.get(env_var):
+        return os.environ[env_var]
+    build = os.path.dirname(os.path.dirname(CONVOD_REAL))
+    return os.path.join(build, "tests", "integration", name)
+
+
+def valgrind_report(path):
+    """The report in path when it shows an error or a leak, else "" (also when absent)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return text if _VG_STACK.search(text) else ""
+
+
+if VALGRIND:
+    VG_TOP, VG_LOGS = _valgrind_setup()
+    CONVOD = _valgrind_wrapper(VG_TOP, VG_LOGS, CONVOD_REAL)
+    CONVOCTL = _valgrind_wrapper(VG_TOP, VG_LOGS, CONVOCTL_REAL)
+    # Read by test_sink.py and test_ddbclient.py when they are imported, after this file.
+    for _var, _name in (("SINK_PROBE_BIN", "sink_probe"),
+                        ("DDBCLIENT_PROBE_BIN", "ddbclient_probe")):
+        os.environ[_var] = _valgrind_wrapper(VG_TOP, VG_LOGS, _probe_real(_var, _name))
+else:
+    VG_TOP = VG_LOGS = None
+    CONVOD = CONVOD_REAL
+    CONVOCTL = CONVOCTL_REAL
+
+
+def _collect_valgrind_reports(paths=None):
+    """Reads and removes the reports (all of them when paths is None); returns the texts
+    of those that show an error or a leak, each headed by its file name."""
+    if paths is None:
+        paths = [os.path.join(VG_LOGS, n) for n in sorted(os.listdir(VG_LOGS))]
+    bad = []
+    for p in paths:
+        text = valgrind_report(p)
+        if text:
+            bad.append("valgrind report %s:\n%s" % (os.path.basename(p), text[-12000:]))
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    return bad
+
+
+# Tests left out under valgrind, by node id (without parameters) -> why.
+VALGRIND_SKIP = {
+    # The normal stage runs these on the same binaries, already under valgrind (their own
+    # wrapping); here valgrind would only watch the shell of this file's wrapper.
+    "test_ddbclient.py::test_failure_paths_valgrind": "runs valgrind itself (normal stage)",
+    "test_ddbclient.py::test_roundtrip_dynalite_valgrind": "runs valgrind itself (normal stage)",
+    "test_sink.py::test_valgrind_faults_and_close": "runs valgrind itself (normal stage)",
+    # Passes under valgrind (about 40 s), but its memory check compares VmRSS with a
+    # baseline, and memcheck's RSS holds up to 20 MB of freed blocks (--freelist-vol) and
+    # its translations: soak.sanitized() turns the check off for ASan only. Remove this
+    # entry once it also recognises valgrind ("vgpreload_memcheck" in /proc/PID/maps).
+    "test_soak.py::test_soak": "VmRSS check meaningless under memcheck",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not VALGRIND:
+        return
+    for item in items:
+        key = "%s::%s" % (os.path.basename(str(item.fspath)), item.originalname)
+        if key in VALGRIND_SKIP:
+            item.add_marker(pytest.mark.skip(reason="under valgrind: " + VALGRIND_SKIP[key]))
+
+
+@pytest.fixture(autouse=True)
+def _valgrind_check():
+    """Under valgrind: after each test (and after its daemons were stopped, this fixture
+    being set up first), every report left by a process the test started must be clean."""
+    yield
+    if VALGRIND:
+        bad = _collect_valgrind_reports()
+        assert not bad, "\n".join(bad)
 
 
 class Conn:
@@ -24,7 +160,7 @@ class Conn:
 
     def __init__(self, path, timeout=10.0):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
+        self.sock.settimeout(scaled(timeout))
         self.sock.connect(path)
         self.buf = b""
 
@@ -80,6 +216,7 @@ class Daemon:
         self.proc = None
         self.conns = []
         self.stderr_path = os.path.join(self.dir, "stderr.log")
+        self.valgrind_log = None  # under valgrind: where the report of the last start goes
 
     def start(self, wait=True):
         cmd = [CONVOD, "--socket", self.socket, "--state-dir", self.state_dir] + self.args
@@ -89,17 +226,19 @@ class Daemon:
         self.stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.stderr,
                                      stderr=self.stderr, env=env)
+        if VALGRIND:
+            self.valgrind_log = os.path.join(VG_LOGS, "%d.vg" % self.proc.pid)
         if wait:
             self.wait_ready()
         return self
 
     def wait_ready(self, timeout=15.0):
-        deadline = time.time() + timeout
+        deadline = time.time() + scaled(timeout)
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError("convod exited with %s: %s" % (self.proc.returncode, self.log()))
             try:
-                c = Conn(self.socket, timeout=2)
+                c = Conn(self.socket, timeout=2)  # scaled by Conn
                 r = c.request({"op": "ping"})
                 c.close()
                 if r.get("ok"):
@@ -135,11 +274,12 @@ class Daemon:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(scaled(timeout))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError("convod did not exit within %ss after %s" % (timeout, sig))
+                raise AssertionError("convod did not exit within %ss after %s"
+                                     % (scaled(timeout), sig))
         rc = self.proc.returncode if self.proc else 0
         if self.proc:
             self.stderr.close()
@@ -152,7 +292,8 @@ class Daemon:
 @pytest.fixture
 def daemon_factory():
     """daemon_factory(args=[...], env={...}, start=True) -> Daemon; all stopped at teardown.
-    A daemon that exited non-zero or printed a sanitizer report fails the test."""
+    A daemon that exited non-zero or printed a sanitizer report fails the test, and so does
+    one whose valgrind report shows an error or a leak (CONVOD_VALGRIND)."""
     made = []
 
     def make(args=(), env=None, start=True):
@@ -172,6 +313,9 @@ def daemon_factory():
             problems.append("convod exited %s at teardown:\n%s" % (rc, log[-4000:]))
         if "Sanitizer" in log or "runtime error:" in log:
             problems.append("sanitizer report:\n" + log[-8000:])
+        if d.valgrind_log:
+            problems += ["convod %s: %s" % (d.socket, r)
+                         for r in _collect_valgrind_reports([d.valgrind_log])]
         d.cleanup()
     assert not problems, "\n".join(problems)
 

@@ -135,7 +135,7 @@ def crash_rounds(d, durability, rng, after_restart=None):
     for rnd in range(ROUNDS):
         writers = [Writer(d.socket, conv, random.Random(rng.random()), last_role[conv],
                           "r%d" % rnd) for conv in convs]
-        delay = rng.uniform(0.05, 0.4)
+        delay = rng.uniform(0.05, 0.4) * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))
         print("round %d: kill -9 after %.3f s" % (rnd, delay))
         for w in writers:
             w.start()
