@@ -362,6 +362,11 @@ void dispatch_commit(struct dispatch *d, bool force)
 		convo_take(c, CONSUMER_STORE, false, store_take_cb, &t);
 		if (!d->tx_error && (rc = store_put_conversation(d->store, c)) < 0)
 			d->tx_error = rc;
+		/* The row's upsert reopens it (closed = 0): a conversation closed in this
+		 * turn is marked closed again after it. */
+		if (!d->tx_error && (c->daemon_flags & FLAG_CLOSING) &&
+		    (rc = store_set_closed(d->store, c->id, c->id_len, dispatch_now_ms())) < 0)
+			d->tx_error = rc;
 	}
 	d->changed = false;
 	if (!store_in_transaction(d->store) && !d->tx_error) {

@@ -1013,3 +1013,32 @@ def test_second_sigterm_skips_the_drain(faultproxy, dynalite, ddb_table, daemon_
     assert_acked_present(c, acked)
     wait_drained(c, timeout=30)
     table_matches_daemon(dynalite, ddb_table, c, convs)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill9"])
+def test_closed_conversations_stay_closed_after_restart(daemon_factory, how):
+    """close is durable: after a restart (clean or kill -9) a closed conversation is not
+    restored into memory as open, but still answers from the local store on demand."""
+    d = daemon_factory()
+    c = d.connect()
+    for conv in ("keep", "gone-1", "gone-2"):
+        c.ok({"op": "add_user", "conversation": conv, "contents": "hello " + conv})
+    for conv in ("gone-1", "gone-2"):
+        c.ok({"op": "close", "conversation": conv})
+    c.ok({"op": "ping"})
+    db = sqlite3.connect(os.path.join(d.state_dir, "convod.db"))
+    closed = dict(db.execute("SELECT CAST(id AS TEXT), closed FROM conversations"))
+    db.close()
+    assert closed["keep"] == 0 and closed["gone-1"] > 0 and closed["gone-2"] > 0, closed
+    if how == "kill9":
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+    else:
+        assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    assert [x["conversation"] for x in c.ok({"op": "list"})["conversations"]] == ["keep"]
+    assert stats(c)["conversations"] == 1
+    # Asked for, a closed conversation comes back from the store, as it was.
+    msgs = c.ok({"op": "get_messages", "conversation": "gone-1"})["messages"]
+    assert [m["message"]["contents"] for m in msgs] == [["hello gone-1"]]
