@@ -124,6 +124,7 @@ static bool sink_has_pending(const struct convo *c)
 /* Removes c from the registry and the lists, and frees it. */
 static void drop_conversation(struct dispatch *d, struct convo *c)
 {
+	d->dropped_since_trim++;
 	unmark_sink_dirty(d, c);
 	convo_free(registry_take(&d->reg, c->id, c->id_len));
 }

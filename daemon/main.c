@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -75,6 +76,13 @@ static void on_flush_timer(uv_timer_t *t)
 {
 	struct daemon *d = t->data;
 	dispatch_flush_tick(&d->dispatch, false);
+	/* glibc keeps freed memory for reuse: once conversations left memory (close), hand
+	 * what is free back to the system, at most once a tick, so that RSS follows the
+	 * conversations held. */
+	if (d->dispatch.dropped_since_trim) {
+		d->dispatch.dropped_since_trim = 0;
+		malloc_trim(0);
+	}
 }
 
 static void on_sink_closed(void *arg)

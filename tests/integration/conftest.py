@@ -128,11 +128,6 @@ VALGRIND_SKIP = {
     "test_ddbclient.py::test_failure_paths_valgrind": "runs valgrind itself (normal stage)",
     "test_ddbclient.py::test_roundtrip_dynalite_valgrind": "runs valgrind itself (normal stage)",
     "test_sink.py::test_valgrind_faults_and_close": "runs valgrind itself (normal stage)",
-    # Passes under valgrind (about 40 s), but its memory check compares VmRSS with a
-    # baseline, and memcheck's RSS holds up to 20 MB of freed blocks (--freelist-vol) and
-    # its translations: soak.sanitized() turns the check off for ASan only. Remove this
-    # entry once it also recognises valgrind ("vgpreload_memcheck" in /proc/PID/maps).
-    "test_soak.py::test_soak": "VmRSS check meaningless under memcheck",
 }
 
 
