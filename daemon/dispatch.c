@@ -657,6 +657,9 @@ static int emit_answer(void *arg, const json_t *result, const char *text, size_t
 	struct emit_ctx *e = arg;
 	struct buf *out = e->out;
 
+	/* A large text answer grows out once, not by doubling from nothing. */
+	if (!result && buf_reserve(out, len + 128) < 0)
+		return -ENOMEM;
 	if (buf_append(out, "{", 1) < 0 ||
 	    (e->id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, e->id) < 0 ||
 	               buf_append(out, ",", 1) < 0)) ||
