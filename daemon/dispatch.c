@@ -541,27 +541,15 @@ static void mark_answer(struct dispatch *d, struct buf *out, size_t start, const
  * fixed-size buffer in the middle of a character. Invalid or cut sequences become '?'. */
 static void utf8_sanitize(char *msg)
 {
-	unsigned char *p = (unsigned char *)msg;
+	size_t n = strlen(msg);
 
-	while (*p) {
-		size_t n = *p < 0x80             ? 1
-		           : (*p & 0xe0) == 0xc0 ? 2
-		           : (*p & 0xf0) == 0xe0 ? 3
-		           : (*p & 0xf8) == 0xf0 ? 4
-		                                 : 0;
-		bool ok = n > 0 && !(n == 2 && *p < 0xc2) && !(n == 4 && *p > 0xf4);
-		for (size_t i = 1; ok && i < n; i++)
-			ok = (p[i] & 0xc0) == 0x80;
-		/* Overlong 3- and 4-byte forms and surrogates. */
-		if (ok && n == 3 && ((*p == 0xe0 && p[1] < 0xa0) || (*p == 0xed && p[1] >= 0xa0)))
-			ok = false;
-		if (ok && n == 4 && ((*p == 0xf0 && p[1] < 0x90) || (*p == 0xf4 && p[1] >= 0x90)))
-			ok = false;
-		if (!ok) {
-			*p++ = '?';
+	for (size_t i = 0; i < n;) {
+		size_t k = (unsigned char)msg[i] < 0x80 ? 1 : buf_utf8_len(msg + i, n - i);
+		if (k == 0) {
+			msg[i++] = '?';
 			continue;
 		}
-		p += n;
+		i += k;
 	}
 }
 
@@ -616,66 +604,10 @@ oom:
 	}
 }
 
-/* Writes {"id":ID,"ok":true,"result":RESULT}; takes the reference to result. */
-static void answer_ok(struct dispatch *d, struct buf *out, const json_t *id, enum op op,
-                      json_t *result)
-{
-	size_t mark = out->len;
-	struct error err;
-
-	if (!result)
-		goto oom;
-	if (buf_append(out, "{", 1) < 0)
-		goto oom;
-	if (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
-	           buf_append(out, ",", 1) < 0))
-		goto oom;
-	if (buf_append(out, "\"ok\":true,\"result\":", 19) < 0 ||
-	    buf_append_json(out, result) < 0 || buf_append(out, "}\n", 2) < 0)
-		goto oom;
-	json_decref(result);
-	stats_request(&d->stats, op, ERR_OK);
-	return;
-oom:
-	json_decref(result);
-	out->len = mark;
-	error_set(&err, ERR_INTERNAL, "out of memory while writing the answer");
-	answer_error(d, out, id, op, &err);
-}
-
-struct emit_ctx {
-	struct dispatch *d;
-	struct buf *out;
-	const json_t *id;
-	enum op op;
-	size_t start; /* where the answer begins in out */
-};
-
-/* ops_emit_fn: the ok answer, written while the op can still be undone. */
-static int emit_answer(void *arg, const json_t *result, const char *text, size_t len)
-{
-	struct emit_ctx *e = arg;
-	struct buf *out = e->out;
-
-	/* A large text answer grows out once, not by doubling from nothing. */
-	if (!result && buf_reserve(out, len + 128) < 0)
-		return -ENOMEM;
-	if (buf_append(out, "{", 1) < 0 ||
-	    (e->id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, e->id) < 0 ||
-	               buf_append(out, ",", 1) < 0)) ||
-	    buf_append(out, "\"ok\":true,\"result\":", 19) < 0 ||
-	    (result ? buf_append_json(out, result) : buf_append(out, text, len)) < 0 ||
-	    buf_append(out, "}\n", 2) < 0) {
-		out->len = e->start;
-		return -ENOMEM;
-	}
-	stats_request(&e->d->stats, e->op, ERR_OK);
-	return 0;
-}
-
-/* For ops whose result is a count made by the change itself (flush, close,
- * retry_dead_letters): the answer's head and room for its tail are written before the
- * change, so that nothing can fail after it. 0 or -ENOMEM (out unchanged). */
+/* Writes the head of an ok answer, {"id":ID,"ok":true,"result": (id left out when NULL),
+ * and reserves room for a short tail. flush, close and retry_dead_letters, whose result is
+ * a count made by the change itself, call it before the change, so that nothing can fail
+ * after it. 0 or -ENOMEM (out unchanged). */
 static int answer_open(struct buf *out, const json_t *id)
 {
 	size_t start = out->len;
@@ -687,6 +619,49 @@ static int answer_open(struct buf *out, const json_t *id)
 		out->len = start;
 		return -ENOMEM;
 	}
+	return 0;
+}
+
+/* Writes {"id":ID,"ok":true,"result":RESULT}; takes the reference to result. */
+static void answer_ok(struct dispatch *d, struct buf *out, const json_t *id, enum op op,
+                      json_t *result)
+{
+	size_t mark = out->len;
+	struct error err;
+
+	if (!result || answer_open(out, id) < 0 || buf_append_json(out, result) < 0 ||
+	    buf_append(out, "}\n", 2) < 0) {
+		json_decref(result);
+		out->len = mark;
+		error_set(&err, ERR_INTERNAL, "out of memory while writing the answer");
+		answer_error(d, out, id, op, &err);
+		return;
+	}
+	json_decref(result);
+	stats_request(&d->stats, op, ERR_OK);
+}
+
+struct emit_ctx {
+	struct dispatch *d;
+	struct buf *out;
+	const json_t *id;
+	enum op op;
+	size_t start; /* where the answer begins in out */
+};
+
+/* ops_emit_fn: the ok answer, written while the op can still be undone. */
+static int emit_answer(void *arg, const json_t *result, ops_write_fn write, const void *wctx)
+{
+	struct emit_ctx *e = arg;
+	struct buf *out = e->out;
+
+	if (answer_open(out, e->id) < 0 ||
+	    (result ? buf_append_json(out, result) : write(out, wctx)) < 0 ||
+	    buf_append(out, "}\n", 2) < 0) {
+		out->len = e->start;
+		return -ENOMEM;
+	}
+	stats_request(&e->d->stats, e->op, ERR_OK);
 	return 0;
 }
 

@@ -42,10 +42,9 @@ int buf_append_slow(struct buf *b, const void *p, size_t n)
 	return 0;
 }
 
-/* The longest valid UTF-8 sequence at p[0..n) is its length, 0 when invalid (overlong
- * forms, surrogates and code points above U+10FFFF included). */
-static size_t utf8_seq(const unsigned char *p, size_t n)
+size_t buf_utf8_len(const char *str, size_t n)
 {
+	const unsigned char *p = (const unsigned char *)str;
 	size_t k = *p < 0xc2 ? 0 : *p < 0xe0 ? 2 : *p < 0xf0 ? 3 : *p < 0xf5 ? 4 : 0;
 
 	if (k == 0 || k > n)
@@ -103,7 +102,7 @@ int buf_append_jstring(struct buf *b, const char *str, size_t n)
 		o += run;
 		run = 0;
 		if (ch >= 0x80) {
-			size_t k = utf8_seq(s + i, n - i);
+			size_t k = buf_utf8_len((const char *)s + i, n - i);
 			if (k == 0)
 				return -EINVAL;
 			memcpy(o, s + i, k);

@@ -39,6 +39,10 @@ int buf_append_json(struct buf *b, const json_t *j);
 /* Appends s[0..n) as a JSON string (as jansson escapes it). 0, -ENOMEM, or -EINVAL for
  * invalid UTF-8 (b unchanged only on -ENOMEM before writing; callers reset len). */
 int buf_append_jstring(struct buf *b, const char *s, size_t n);
+/* The length of the multi-byte UTF-8 sequence at s[0..n), 0 when it is invalid or cut
+ * (overlong forms, surrogates and code points above U+10FFFF included; an ASCII byte is
+ * not a multi-byte sequence and gives 0 too). */
+size_t buf_utf8_len(const char *s, size_t n);
 /* Appends v in decimal. 0 or -ENOMEM. */
 int buf_append_jint(struct buf *b, int64_t v);
 /* Hands the bytes to the caller (who frees them) and empties b. */

@@ -539,7 +539,7 @@ static bool delivered(const json_t *result, ops_emit_fn emit, void *emit_arg)
 {
 	if (!result || ops_json_alloc_failed())
 		return false;
-	return !emit || emit(emit_arg, result, NULL, 0) >= 0;
+	return !emit || emit(emit_arg, result, NULL, NULL) >= 0;
 }
 
 static enum error_code run_add(enum op op, struct convo *c, const struct convo_env *env,
@@ -643,6 +643,17 @@ static enum error_code run_set_metadata(struct convo *c, const struct convo_env 
 	return rc;
 }
 
+/* ops_write_fn of get_messages in the meta format: room for the usual answer at once (the
+ * text and ~150 bytes a message around it), then the view. */
+static int write_view(struct buf *b, const void *ctx)
+{
+	const struct convo *c = ctx;
+
+	if (buf_reserve(b, c->text_bytes + 160 * c->nlog + 64) < 0)
+		return -ENOMEM;
+	return convo_write_messages(c, b);
+}
+
 static enum error_code run(enum op op, struct convo *c, const struct convo_env *env,
                            const json_t *req, json_t **result, bool *changed, struct error *err,
                            ops_emit_fn emit, void *emit_arg)
@@ -671,16 +682,8 @@ static enum error_code run(enum op op, struct convo *c, const struct convo_env *
 		if ((rc = render_parse(req, &fmt, err)))
 			return rc;
 		if (emit && fmt == RENDER_META) {
-			/* Written straight to text: no tree of the whole view. */
-			struct buf b = {NULL, 0, 0};
-			/* Room for the usual answer at once: the text and ~200 bytes a message. */
-			int wrc = buf_reserve(&b, c->text_bytes + 256 * c->nlog + 64);
-			if (wrc == 0)
-				wrc = convo_write_messages(c, &b);
-			if (wrc == 0)
-				wrc = emit(emit_arg, NULL, b.data, b.len);
-			buf_free(&b);
-			if (wrc < 0)
+			/* Written straight into the answer: no tree of the whole view. */
+			if (emit(emit_arg, NULL, write_view, c) < 0)
 				return error_set(err, ERR_INTERNAL, "out of memory");
 			return ERR_OK;
 		}

@@ -64,12 +64,19 @@ enum error_code ops_check(enum op op, const json_t *req, struct error *err);
 enum error_code ops_run(enum op op, struct convo *c, const struct convo_env *env,
 			const json_t *req, json_t **result, bool *changed, struct error *err);
 
+struct buf;
+/* Writes a result's JSON text into b (ctx is what the op passed along). 0, -ENOMEM, or
+ * -EINVAL; the caller resets b on failure. */
+typedef int (*ops_write_fn)(struct buf *b, const void *ctx);
+
 /* Delivers a result while the op can still be undone: ops_run_emit calls it once the
  * result is built and before the change (or to_messages_map's marks) becomes final. The
- * result is a jansson value, or (result NULL) its JSON text already written, text[0..len).
- * A negative return means the result could not be delivered (ENOMEM writing the answer):
- * the op is undone and ERR_INTERNAL returned. The callback borrows what it is given. */
-typedef int (*ops_emit_fn)(void *arg, const json_t *result, const char *text, size_t len);
+ * result is a jansson value, or (result NULL) write(b, ctx) writes its text straight into
+ * the caller's buffer (get_messages, which builds no tree). A negative return means the
+ * result could not be delivered (ENOMEM writing the answer): the op is undone and
+ * ERR_INTERNAL returned. The callback borrows what it is given. */
+typedef int (*ops_emit_fn)(void *arg, const json_t *result, ops_write_fn write,
+			   const void *ctx);
 
 /* ops_run, handing the result to emit instead of returning it: on ERR_OK the result was
  * delivered and the change made; otherwise c is as before and nothing was delivered. */

@@ -154,6 +154,17 @@ int main(void)
 		buf_free(&b);
 		json_decref(e);
 	}
+	/* buf_utf8_len: whole sequences, and 0 for cut, overlong, surrogate, too high, ASCII. */
+	CHECK(buf_utf8_len("\xc3\xa9", 2) == 2);
+	CHECK(buf_utf8_len("\xe2\x82\xac!", 4) == 3);
+	CHECK(buf_utf8_len("\xf0\x9f\x98\x80", 4) == 4);
+	CHECK(buf_utf8_len("\xe2\x82\xac", 2) == 0);
+	CHECK(buf_utf8_len("\xc0\xaf", 2) == 0);
+	CHECK(buf_utf8_len("\xe0\x80\xaf", 3) == 0);
+	CHECK(buf_utf8_len("\xed\xa0\x80", 3) == 0);
+	CHECK(buf_utf8_len("\xf4\x90\x80\x80", 4) == 0);
+	CHECK(buf_utf8_len("\xc3" "a", 2) == 0);
+	CHECK(buf_utf8_len("a", 1) == 0);
 	/* A refused value leaves the buffer as it was. */
 	{
 		struct buf b = {NULL, 0, 0};
