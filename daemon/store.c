@@ -27,8 +27,13 @@
  * own automatic checkpoint uses the same 1000, but runs it inside the commit). */
 #define STORE_CHECKPOINT_PAGES 1000
 /* Under continuous writes the thread's checkpoints never catch up with the WAL's end, and
- * SQLite starts the WAL over only after a checkpoint that did. Past this size the loop
- * runs one itself: the thread has copied nearly everything, so it copies only the tail. */
+ * SQLite starts the WAL over only after a checkpoint that did. Past this size the loop,
+ * right after a commit, waits for the thread's checkpoint to end and runs one itself: it
+ * is the only writer and the only checkpointer then, so it copies all the thread has not,
+ * and the next commit starts the WAL over. That wait is the back-pressure that bounds the
+ * WAL when writes outrun the thread. (Without waiting, the loop's checkpoint got
+ * SQLITE_BUSY or rarely found the thread idle, and a RESTART from the thread starved
+ * behind the commits: the WAL grew past 100 MB in the store's unit test.) */
 #define STORE_WAL_HARD_PAGES 8000
 
 /* closed = 0 while open, else the Unix ms of the close.
@@ -161,6 +166,7 @@ struct checkpointer {
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
 	bool started, stop, wanted;
+	bool running;      /* a checkpoint runs: the thread's, or the loop's own */
 	int last_rc;       /* SQLite code of the last checkpoint */
 	int reported_rc;   /* what the loop thread last logged */
 	uint64_t runs;     /* checkpoints done */
@@ -421,11 +427,12 @@ static void *checkpointer_main(void *arg)
 
 	pthread_mutex_lock(&ck->mu);
 	for (;;) {
-		while (!ck->wanted && !ck->stop)
+		while ((!ck->wanted || ck->running) && !ck->stop)
 			pthread_cond_wait(&ck->cv, &ck->mu);
 		if (ck->stop)
 			break;
 		ck->wanted = false;
+		ck->running = true;
 		pthread_mutex_unlock(&ck->mu);
 		int rc = SQLITE_OK;
 		if (!db) {
@@ -452,7 +459,12 @@ static void *checkpointer_main(void *arg)
 			rc = sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL,
 			                               NULL);
 		pthread_mutex_lock(&ck->mu);
-		ck->last_rc = rc;
+		ck->running = false;
+		/* SQLITE_BUSY: the WAL was being started over at that moment; the next round
+		 * copies what this one could not. Not a failure to report. */
+		if (rc != SQLITE_BUSY)
+			ck->last_rc = rc;
+		pthread_cond_broadcast(&ck->cv); /* a loop waiting to checkpoint itself */
 		ck->runs++;
 	}
 	pthread_mutex_unlock(&ck->mu);
@@ -468,15 +480,33 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 	struct checkpointer *ck = &s->ck;
 	int rc;
 
+	bool self = false;
+
 	if (pages < STORE_CHECKPOINT_PAGES)
 		return SQLITE_OK;
-	if (pages >= STORE_WAL_HARD_PAGES)
-		sqlite3_wal_checkpoint_v2(db, name, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
 	pthread_mutex_lock(&ck->mu);
-	ck->wanted = true;
-	pthread_cond_signal(&ck->cv);
+	if (pages >= STORE_WAL_HARD_PAGES) {
+		/* The thread fell behind: the loop waits for its checkpoint to end (the
+		 * back-pressure that bounds the WAL), then takes the rest itself. */
+		while (ck->running)
+			pthread_cond_wait(&ck->cv, &ck->mu);
+		ck->running = self = true;
+	} else {
+		ck->wanted = true;
+		pthread_cond_signal(&ck->cv);
+	}
 	rc = ck->last_rc;
 	pthread_mutex_unlock(&ck->mu);
+	if (self) {
+		/* No other writer (this is it) and no other checkpointer: it copies all the
+		 * thread has not, and the next commit starts the WAL over. */
+		rc = sqlite3_wal_checkpoint_v2(db, name, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
+		pthread_mutex_lock(&ck->mu);
+		ck->running = false;
+		ck->last_rc = rc;
+		pthread_cond_broadcast(&ck->cv);
+		pthread_mutex_unlock(&ck->mu);
+	}
 	if (rc != ck->reported_rc) {
 		if (rc == SQLITE_OK)
 			log_msg(LOG_INFO, "store", "%s: checkpoints work again", s->path);
