@@ -11,19 +11,10 @@
 set -eu
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
-build=${1:-build}
-if [ ! -d "$build" ] && [ -d "$root/$build" ]; then
-	build=$root/$build
-fi
-convod=$build/daemon/convod
-bench=$build/tests/bench/convod-bench
-baseline=$build/tests/bench/json-baseline
-for f in "$convod" "$bench" "$baseline"; do
-	if [ ! -x "$f" ]; then
-		echo "run-bench: $f is missing; build first (meson compile -C $build)" >&2
-		exit 2
-	fi
-done
+prog=run-bench
+. "$root/tests/bench/lib.sh"
+bench_build "${1:-build}"
+bench_need "$convod" "$bench" "$baseline"
 
 DURATION=${DURATION:-5}
 WARMUP=${WARMUP:-1}
@@ -37,50 +28,7 @@ FILL_PIPELINE=${FILL_PIPELINE:-64}
 BENCH_ARGS=${BENCH_ARGS:-}
 REDIS=${REDIS:-0}
 
-dir=$(mktemp -d "${TMPDIR:-/tmp}/convod-bench.XXXXXX")
-server_pid=
-status=0
-
-stop_server() {
-	if [ -n "$server_pid" ]; then
-		kill -TERM "$server_pid" 2>/dev/null || true
-		if ! wait "$server_pid"; then
-			echo "run-bench: $1 did not exit cleanly on SIGTERM" >&2
-			status=1
-		fi
-		server_pid=
-	fi
-}
-
-# shellcheck disable=SC2317 # called by the trap
-cleanup() {
-	if [ -n "$server_pid" ]; then
-		kill -TERM "$server_pid" 2>/dev/null || true
-		wait "$server_pid" 2>/dev/null || true
-	fi
-	rm -rf "$dir"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-# start NAME LOG COMMAND...: runs a server in the background and waits for its socket
-start_server() {
-	name=$1
-	log=$2
-	shift 2
-	"$@" >"$log" 2>&1 &
-	server_pid=$!
-	i=0
-	while [ ! -S "$sock" ]; do
-		i=$((i + 1))
-		if [ $i -gt 200 ] || ! kill -0 "$server_pid" 2>/dev/null; then
-			echo "run-bench: $name did not come up; its log:" >&2
-			tail -n 20 "$log" >&2
-			exit 1
-		fi
-		sleep 0.05
-	done
-}
+bench_tmpdir bench
 
 start_convod() {
 	rm -rf "$dir/state"
@@ -129,14 +77,14 @@ run "convod voice" $load --pipeline 1
 run "convod voice" $load --pipeline "$PIPELINE"
 # shellcheck disable=SC2086
 run "convod adds-only" $load --pipeline "$PIPELINE" --mix adds-only
-stop_server convod
+stop_server
 
 start_baseline
 # shellcheck disable=SC2086
 run "json-baseline voice" $load --pipeline 1
 # shellcheck disable=SC2086
 run "json-baseline voice" $load --pipeline "$PIPELINE"
-stop_server json-baseline
+stop_server
 
 # redis_run PIPELINE REQUESTS: one redis-benchmark LPUSH run, as a row of $dir/results
 redis_run() {
@@ -154,7 +102,7 @@ if [ "$REDIS" = 1 ]; then
 			--save '' --appendonly no
 		redis_run 1 300000
 		redis_run "$PIPELINE" 1000000
-		stop_server redis-server
+		stop_server
 	else
 		echo "run-bench: REDIS=1 but redis-server or redis-benchmark is missing" >&2
 	fi
@@ -164,7 +112,7 @@ start_convod fill
 run "convod fill" --fill --connections "$CONNECTIONS" --pipeline "$FILL_PIPELINE" \
 	--conversations "$FILL_CONVERSATIONS" --messages-per-conversation "$FILL_MESSAGES" \
 	--message-bytes "$MESSAGE_BYTES" --pid "$server_pid" --timeout 30
-stop_server convod
+stop_server
 
 python3 - "$dir/results" <<'EOF'
 import json, sys

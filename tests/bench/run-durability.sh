@@ -14,18 +14,10 @@
 set -eu
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
-build=${1:-build}
-if [ ! -d "$build" ] && [ -d "$root/$build" ]; then
-	build=$root/$build
-fi
-convod=$build/daemon/convod
-bench=$build/tests/bench/convod-bench
-for f in "$convod" "$bench"; do
-	if [ ! -x "$f" ]; then
-		echo "run-durability: $f is missing; build first (meson compile -C $build)" >&2
-		exit 2
-	fi
-done
+prog=run-durability
+. "$root/tests/bench/lib.sh"
+bench_build "${1:-build}"
+bench_need "$convod" "$bench"
 
 DURATION=${DURATION:-8}
 WARMUP=${WARMUP:-2}
@@ -38,43 +30,17 @@ LEVELS=${LEVELS:-none process machine}
 BENCH_ARGS=${BENCH_ARGS:-}
 CONVOD_ARGS=${CONVOD_ARGS:-}
 
-dir=$(mktemp -d "${TMPDIR:-/tmp}/convod-durability.XXXXXX")
+bench_tmpdir durability
 sock=$dir/convod.sock
-server_pid=
-status=0
-
-# shellcheck disable=SC2317 # called by the trap
-cleanup() {
-	if [ -n "$server_pid" ]; then
-		kill -TERM "$server_pid" 2>/dev/null || true
-		wait "$server_pid" 2>/dev/null || true
-	fi
-	rm -rf "$dir"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 # start_convod LEVEL MIX: a daemon on a fresh state directory, without AWS settings
 start_convod() {
-	rm -rf "$dir/state" "$sock"
+	rm -rf "$dir/state"
 	mkdir -p "$dir/state"
-	log=$dir/convod-$1-$2.log
 	# shellcheck disable=SC2086
-	env -u AWS_REGION -u AWS_DEFAULT_REGION -u AWS_ENDPOINT_URL \
-		-u AWS_ENDPOINT_URL_DYNAMODB -u AWS_PROFILE \
-		"$convod" --socket "$sock" --state-dir "$dir/state" --log-level warn \
-		--durability "$1" $CONVOD_ARGS >"$log" 2>&1 &
-	server_pid=$!
-	i=0
-	while [ ! -S "$sock" ]; do
-		i=$((i + 1))
-		if [ $i -gt 200 ] || ! kill -0 "$server_pid" 2>/dev/null; then
-			echo "run-durability: convod did not come up; its log:" >&2
-			tail -n 20 "$log" >&2
-			exit 1
-		fi
-		sleep 0.05
-	done
+	start_server "convod ($1)" "$dir/convod-$1-$2.log" without_aws "$convod" \
+		--socket "$sock" --state-dir "$dir/state" --log-level warn --durability "$1" \
+		$CONVOD_ARGS
 }
 
 # ticks PID: "<clock ticks busy on the machine> <utime+stime of PID>", from /proc
@@ -82,15 +48,6 @@ ticks() {
 	awk '/^cpu / { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat
 	# the fields after the command name, which may hold spaces: utime and stime are 12, 13
 	sed 's/.*) //' "/proc/$1/stat" | awk '{ print $12 + $13 }'
-}
-
-stop_convod() {
-	kill -TERM "$server_pid" 2>/dev/null || true
-	if ! wait "$server_pid"; then
-		echo "run-durability: convod ($1) did not exit cleanly on SIGTERM" >&2
-		status=1
-	fi
-	server_pid=
 }
 
 : >"$dir/results"
@@ -131,7 +88,7 @@ sys.exit(rc)' "$dir/bench.cpu" \
 		else
 			printf '%s\t%s\tFAILED (exit %s)\n' "$mix" "$level" "$rc" >>"$dir/results"
 		fi
-		stop_convod "$level"
+		stop_server
 	done
 done
 

@@ -28,18 +28,10 @@
 set -eu
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
-build=${1:-build}
-if [ ! -d "$build" ] && [ -d "$root/$build" ]; then
-	build=$root/$build
-fi
-convod=$build/daemon/convod
-bench=$build/tests/bench/convod-bench
-for f in "$convod" "$bench"; do
-	if [ ! -x "$f" ]; then
-		echo "run-flusher: $f is missing; build first (meson compile -C $build)" >&2
-		exit 2
-	fi
-done
+prog=run-flusher
+. "$root/tests/bench/lib.sh"
+bench_build "${1:-build}"
+bench_need "$convod" "$bench"
 if ! command -v node >/dev/null; then
 	echo "run-flusher: node is not installed (dynalite and the SDK baseline need it)" >&2
 	exit 2

@@ -85,19 +85,10 @@ while [ $# -gt 0 ]; do
 		;;
 	esac
 done
-build=${build:-build}
-if [ ! -d "$build" ] && [ -d "$root/$build" ]; then
-	build=$root/$build
-fi
-convod=$build/daemon/convod
-bench=$build/tests/bench/convod-bench
-baseline=$build/tests/bench/json-baseline
-for f in "$convod" "$bench" "$baseline"; do
-	if [ ! -x "$f" ]; then
-		echo "run-redis: $f is missing; build first (meson compile -C $build)" >&2
-		exit 2
-	fi
-done
+prog=run-redis
+. "$root/tests/bench/lib.sh"
+bench_build "${build:-build}"
+bench_need "$convod" "$bench" "$baseline"
 
 CAL_SECS=0.3
 if [ $quick = 1 ]; then
@@ -134,52 +125,7 @@ elif ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/
 	use_redis=0
 fi
 
-dir=$(mktemp -d "${TMPDIR:-/tmp}/convod-redis.XXXXXX")
-server_pid=
-server_name=
-status=0
-
-# shellcheck disable=SC2317 # called by the trap
-cleanup() {
-	if [ -n "$server_pid" ]; then
-		kill -TERM "$server_pid" 2>/dev/null || true
-		wait "$server_pid" 2>/dev/null || true
-	fi
-	rm -rf "$dir"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-# start_server NAME LOG COMMAND...: runs a server in the background, waits for $sock
-start_server() {
-	server_name=$1
-	log=$2
-	shift 2
-	rm -f "$sock"
-	"$@" >"$log" 2>&1 &
-	server_pid=$!
-	i=0
-	while [ ! -S "$sock" ]; do
-		i=$((i + 1))
-		if [ $i -gt 200 ] || ! kill -0 "$server_pid" 2>/dev/null; then
-			echo "run-redis: $server_name did not come up; its log:" >&2
-			tail -n 20 "$log" >&2
-			exit 1
-		fi
-		sleep 0.05
-	done
-}
-
-stop_server() {
-	if [ -n "$server_pid" ]; then
-		kill -TERM "$server_pid" 2>/dev/null || true
-		if ! wait "$server_pid"; then
-			echo "run-redis: $server_name did not exit cleanly on SIGTERM" >&2
-			status=1
-		fi
-		server_pid=
-	fi
-}
+bench_tmpdir redis
 
 # start_convod TAG CONVOD-OPTIONS...: a fresh daemon on a fresh state directory, no AWS sink
 start_convod() {
@@ -189,8 +135,7 @@ start_convod() {
 	mkdir -p "$dir/state"
 	sock=$dir/convod.sock
 	# shellcheck disable=SC2086
-	start_server "convod ($tag)" "$dir/convod-$tag.log" env -u AWS_REGION \
-		-u AWS_DEFAULT_REGION -u AWS_ENDPOINT_URL -u AWS_ENDPOINT_URL_DYNAMODB -u AWS_PROFILE \
+	start_server "convod ($tag)" "$dir/convod-$tag.log" without_aws \
 		"$convod" --socket "$sock" --state-dir "$dir/state" --log-level warn "$@" $CONVOD_ARGS
 }
 

@@ -82,18 +82,10 @@ want() {
 	esac
 }
 
-build=${build:-build}
-if [ ! -d "$build" ] && [ -d "$root/$build" ]; then
-	build=$root/$build
-fi
-convod=$build/daemon/convod
-bench=$build/tests/bench/convod-bench
-for f in "$convod" "$bench"; do
-	if [ ! -x "$f" ]; then
-		echo "run-scale: $f is missing; build first (meson compile -C $build)" >&2
-		exit 2
-	fi
-done
+prog=run-scale
+. "$root/tests/bench/lib.sh"
+bench_build "${build:-build}"
+bench_need "$convod" "$bench"
 
 if [ $quick = 1 ]; then
 	CONV_SIZES=${CONV_SIZES:-1 10 100 1000}
@@ -154,21 +146,8 @@ esac
 # room for the largest conversation any table builds
 max_messages=$((REQUESTS + FILL_MESSAGES + GROW_TO + GET_MESSAGES + 1000))
 
-dir=$(mktemp -d "${TMPDIR:-/tmp}/convod-scale.XXXXXX")
+bench_tmpdir scale
 sock=$dir/convod.sock
-server_pid=
-status=0
-
-# shellcheck disable=SC2317 # called by the trap
-cleanup() {
-	if [ -n "$server_pid" ]; then
-		kill -TERM "$server_pid" 2>/dev/null || true
-		wait "$server_pid" 2>/dev/null || true
-	fi
-	rm -rf "$dir"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 fail() {
 	echo "run-scale: $*" >&2
@@ -177,35 +156,13 @@ fail() {
 
 # start_convod TAG: a fresh daemon on a fresh state directory, no AWS sink
 start_convod() {
-	rm -rf "$dir/state" "$sock"
+	rm -rf "$dir/state"
 	mkdir -p "$dir/state"
 	log=$dir/convod-$1.log
 	# shellcheck disable=SC2086
-	env -u AWS_REGION -u AWS_DEFAULT_REGION -u AWS_ENDPOINT_URL \
-		-u AWS_ENDPOINT_URL_DYNAMODB -u AWS_PROFILE \
-		"$convod" --socket "$sock" --state-dir "$dir/state" --log-level warn \
-		--max-messages "$max_messages" $durability_args $CONVOD_ARGS >"$log" 2>&1 &
-	server_pid=$!
-	i=0
-	while [ ! -S "$sock" ]; do
-		i=$((i + 1))
-		if [ $i -gt 200 ] || ! kill -0 "$server_pid" 2>/dev/null; then
-			echo "run-scale: convod did not come up; its log:" >&2
-			tail -n 20 "$log" >&2
-			exit 1
-		fi
-		sleep 0.05
-	done
-}
-
-stop_convod() {
-	kill -TERM "$server_pid" 2>/dev/null || true
-	if ! wait "$server_pid"; then
-		echo "run-scale: convod did not exit cleanly on SIGTERM; its log:" >&2
-		tail -n 20 "$log" >&2
-		status=1
-	fi
-	server_pid=
+	start_server convod "$log" without_aws "$convod" --socket "$sock" \
+		--state-dir "$dir/state" --log-level warn --max-messages "$max_messages" \
+		$durability_args $CONVOD_ARGS
 }
 
 # client OP [CONVERSATION]: one request on a new connection; prints the result object, or
@@ -293,7 +250,7 @@ if want get; then
 	bench get-reads get --mix reads --run-id get --conversations 1 --connections 1 \
 		--pipeline 1 --requests "$GET_REQUESTS"
 	record get after
-	stop_convod
+	stop_server
 fi
 
 # 2. request cost as the number of conversations grows
@@ -314,7 +271,7 @@ if want conversations; then
 		expect "conversations after the adds" "$m" "$(stat_field conversations)"
 		expect "messages after the adds" "$((m * FILL_MESSAGES + REQUESTS))" \
 			"$(stat_field messages)"
-		stop_convod
+		stop_server
 	done
 fi
 
@@ -337,7 +294,7 @@ if want growth; then
 	done
 	got=$(client get_messages bench-g-0) || fail "get_messages failed"
 	expect "get_messages after the growth" "$GROW_TO" "$got"
-	stop_convod
+	stop_server
 fi
 
 load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
