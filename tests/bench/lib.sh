@@ -75,6 +75,12 @@ start_server() {
 	done
 }
 
+# start_baseline: the json-baseline server on $dir/baseline.sock.
+start_baseline() {
+	sock=$dir/baseline.sock
+	start_server json-baseline "$dir/baseline.log" "$baseline" --socket "$sock"
+}
+
 # stop_server: SIGTERM, and status=1 (with the log) unless the server exits cleanly.
 stop_server() {
 	if [ -n "$server_pid" ]; then

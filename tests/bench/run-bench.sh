@@ -38,11 +38,6 @@ start_convod() {
 		--state-dir "$dir/state" --log-level warn
 }
 
-start_baseline() {
-	sock=$dir/baseline.sock
-	start_server json-baseline "$dir/baseline.log" "$baseline" --socket "$sock"
-}
-
 # run LABEL ARGS...: one convod-bench run; its JSON summary goes to $dir/results
 run() {
 	label=$1

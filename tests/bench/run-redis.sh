@@ -139,11 +139,6 @@ start_convod() {
 		"$convod" --socket "$sock" --state-dir "$dir/state" --log-level warn "$@" $CONVOD_ARGS
 }
 
-start_baseline() {
-	sock=$dir/baseline.sock
-	start_server json-baseline "$dir/baseline.log" "$baseline" --socket "$sock"
-}
-
 # start_redis TAG REDIS-OPTIONS...: a fresh redis-server, no RDB snapshots, its own directory
 start_redis() {
 	tag=$1

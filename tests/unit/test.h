@@ -4,7 +4,9 @@
 #define CONVO_TEST_H
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int test_failures;
 static int test_checks;
@@ -29,6 +31,36 @@ static int test_checks;
 				check_b_ ? check_b_ : "(null)");                           \
 		}                                                                          \
 	} while (0)
+
+/* capture_begin sends fd 2 to a temporary file; capture_end restores it and returns what
+ * was written (the caller frees it). For checking what the code under test logs. */
+static int test_saved_stderr = -1;
+static FILE *test_capture_file;
+
+static inline void capture_begin(void)
+{
+	fflush(stderr);
+	test_capture_file = tmpfile();
+	test_saved_stderr = dup(2);
+	dup2(fileno(test_capture_file), 2);
+}
+
+static inline char *capture_end(void)
+{
+	long n;
+	char *text;
+
+	fflush(stderr);
+	dup2(test_saved_stderr, 2);
+	close(test_saved_stderr);
+	n = ftell(test_capture_file);
+	text = calloc(1, (size_t)(n > 0 ? n : 0) + 1);
+	rewind(test_capture_file);
+	if (text && n > 0 && fread(text, 1, (size_t)n, test_capture_file) != (size_t)n)
+		text[0] = '\0';
+	fclose(test_capture_file);
+	return text;
+}
 
 static inline int test_done(const char *name)
 {

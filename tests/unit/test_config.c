@@ -13,36 +13,6 @@
 
 /* --- helpers ----------------------------------------------------------------------------- */
 
-static int saved_stderr = -1;
-static FILE *capture_file;
-
-/* Sends fd 2 to a temporary file until capture_end. */
-static void capture_begin(void)
-{
-	fflush(stderr);
-	capture_file = tmpfile();
-	saved_stderr = dup(2);
-	dup2(fileno(capture_file), 2);
-}
-
-/* Restores fd 2 and returns what was written (the caller frees it). */
-static char *capture_end(void)
-{
-	long n;
-	char *text;
-
-	fflush(stderr);
-	dup2(saved_stderr, 2);
-	close(saved_stderr);
-	n = ftell(capture_file);
-	text = calloc(1, (size_t)(n > 0 ? n : 0) + 1);
-	rewind(capture_file);
-	if (n > 0 && fread(text, 1, (size_t)n, capture_file) != (size_t)n)
-		text[0] = '\0';
-	fclose(capture_file);
-	return text;
-}
-
 static char *write_temp(const char *text)
 {
 	char *path = strdup("/tmp/test_config_XXXXXX");

@@ -7,38 +7,11 @@
 #include "log.h"
 #include "test.h"
 
-static int saved_stderr = -1;
-static FILE *capture_file;
 static uint64_t fake_now = 1000000;
 
 static uint64_t fake_clock(void)
 {
 	return fake_now;
-}
-
-static void capture_begin(void)
-{
-	fflush(stderr);
-	capture_file = tmpfile();
-	saved_stderr = dup(2);
-	dup2(fileno(capture_file), 2);
-}
-
-static char *capture_end(void)
-{
-	long n;
-	char *text;
-
-	fflush(stderr);
-	dup2(saved_stderr, 2);
-	close(saved_stderr);
-	n = ftell(capture_file);
-	text = calloc(1, (size_t)(n > 0 ? n : 0) + 1);
-	rewind(capture_file);
-	if (n > 0 && fread(text, 1, (size_t)n, capture_file) != (size_t)n)
-		text[0] = '\0';
-	fclose(capture_file);
-	return text;
 }
 
 static size_t count(const char *text, const char *needle)
