@@ -142,15 +142,6 @@ static int ensure_tx(struct dispatch *d)
 	return rc;
 }
 
-/* The sort key of persistence.md: the id; for a summary, the last summarized id, '~', id. */
-static void message_sk(const struct message *m, char *sk, size_t size)
-{
-	if (m->role == ROLE_SUMMARY && m->nsummary_ids > 0)
-		snprintf(sk, size, "%s~%s", m->summary_ids[m->nsummary_ids - 1], m->id);
-	else
-		snprintf(sk, size, "%s", m->id);
-}
-
 struct take_ctx {
 	struct dispatch *d;
 	struct convo *c;
@@ -170,8 +161,8 @@ static void store_take_cb(void *arg, const struct message *m, size_t index)
 	    m->seen[CONSUMER_SINK] == m->version) {
 		/* DynamoDB already holds this version: record it as confirmed, so a restart
 		 * does not send it again. */
-		char sk[2 * ULID_LEN + 2];
-		message_sk(m, sk, sizeof(sk));
+		char sk[MESSAGE_SK_MAX + 1];
+		message_sort_key(m, sk);
 		rc = store_spool_done(t->d->store, t->c->id, t->c->id_len, sk, m->version);
 	}
 	if (rc < 0)
@@ -200,7 +191,7 @@ static void spool_take_cb(void *arg, const struct message *m, size_t index)
 		d->capspooled = ncap;
 	}
 	e = &d->spooled[d->nspooled];
-	message_sk(m, e->sk, sizeof(e->sk));
+	message_sort_key(m, e->sk);
 	e->conv = malloc(t->c->id_len + 1);
 	if (!e->conv) {
 		d->tx_error = -ENOMEM;

@@ -31,7 +31,7 @@ struct answer_mark {
 struct spool_entry {
 	char *conv; /* owned */
 	size_t conv_len;
-	char sk[2 * ULID_LEN + 2];
+	char sk[MESSAGE_SK_MAX + 1];
 	uint32_t version;
 	int64_t at_ms;
 };

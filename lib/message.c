@@ -3,6 +3,7 @@
 #include "message.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -162,6 +163,15 @@ static json_t *metadata_to_json(const struct message *m)
 fail:
 	json_decref(md);
 	return NULL;
+}
+
+void message_sort_key(const struct message *m, char out[MESSAGE_SK_MAX + 1])
+{
+	if (m->role == ROLE_SUMMARY && m->nsummary_ids > 0)
+		snprintf(out, MESSAGE_SK_MAX + 1, "%s~%s", m->summary_ids[m->nsummary_ids - 1],
+		         m->id);
+	else
+		snprintf(out, MESSAGE_SK_MAX + 1, "%s", m->id);
 }
 
 json_t *message_to_map(const struct message *m)

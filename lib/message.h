@@ -69,6 +69,11 @@ void message_free(struct message *m); /* accepts NULL */
  * string over 4 GiB). Amortised O(1): the array doubles. */
 int message_append_text(struct message *m, const char *s, size_t len);
 
+/* The sort key of persistence.md: the id; for a summary, the last summarized id, '~' and
+ * its own id. */
+#define MESSAGE_SK_MAX (2 * ULID_LEN + 1)
+void message_sort_key(const struct message *m, char out[MESSAGE_SK_MAX + 1]);
+
 /* Sum of the byte lengths of m's contents. */
 size_t message_text_bytes(const struct message *m);
 
