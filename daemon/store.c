@@ -19,7 +19,7 @@
 #include "log.h"
 
 #define STORE_FILE "convod.db"
-#define STORE_SCHEMA_VERSION 1
+#define STORE_SCHEMA_VERSION 2 /* 2: the journal table */
 #define STORE_APPLICATION_ID 0x636e7664 /* "cnvd": tells our files from other SQLite files */
 #define STORE_BUSY_TIMEOUT_MS 100
 #define STORE_BUF_KEEP (1024 * 1024) /* larger JSON buffers are freed after use */
@@ -35,6 +35,8 @@
  * SQLITE_BUSY or rarely found the thread idle, and a RESTART from the thread starved
  * behind the commits: the WAL grew past 100 MB in the store's unit test.) */
 #define STORE_WAL_HARD_PAGES 8000
+/* Journal rows after which a commit is followed by a fold (see the schema). */
+#define STORE_FOLD_ROWS 8192
 
 /* closed = 0 while open, else the Unix ms of the close.
  *
@@ -45,7 +47,29 @@
  * whole rows and the commit wrote twice the bytes, at half the speed. For the same reason
  * the spool's unique key starts with sk, whose ULIDs grow with time, so new spool rows are
  * appended too. map is the last column so that the others are read without following the
- * overflow pages of a long map; map_bytes spares the spool statistics from reading maps. */
+ * overflow pages of a long map; map_bytes spares the spool statistics from reading maps.
+ *
+ * Even so, each message written dirtied one page of that index per conversation, and a
+ * turn's commit wrote a page to the WAL for each (4 kB per add at 50 connections). So a
+ * message is written to the journal first: a rowid table without any index, whose rows
+ * are appended to the same few pages whatever the conversation. Once it holds
+ * STORE_FOLD_ROWS rows, and before any read that needs the messages table, the journal
+ * is folded into messages in one statement, the newest row of each key winning, in key
+ * order, and emptied: the index pages are then written once per fold, not once per turn.
+ * Reading one conversation (store_load_conversation) merges the journal's rows instead of
+ * folding, so that it never writes: it is what rebuilds memory after a failed commit,
+ * when the disk may be full. */
+#define JOURNAL_SQL                                                                                \
+	"CREATE TABLE journal("                                                                    \
+	" seq INTEGER PRIMARY KEY,"                                                                \
+	" conversation BLOB NOT NULL,"                                                             \
+	" sk TEXT NOT NULL,"                                                                       \
+	" version INTEGER NOT NULL,"                                                               \
+	" updated INTEGER NOT NULL,"                                                               \
+	" client_seen INTEGER NOT NULL,"                                                           \
+	" map_bytes INTEGER NOT NULL,"                                                             \
+	" map TEXT NOT NULL"                                                                       \
+	");"
 static const char schema_sql[] = "CREATE TABLE conversations("
                                  " id BLOB PRIMARY KEY NOT NULL,"
                                  " updated INTEGER NOT NULL,"
@@ -62,6 +86,7 @@ static const char schema_sql[] = "CREATE TABLE conversations("
                                  " map TEXT NOT NULL,"
                                  " PRIMARY KEY(conversation, sk)"
                                  ");"
+                                 JOURNAL_SQL
                                  "CREATE TABLE spool("
                                  " seq INTEGER PRIMARY KEY,"
                                  " conversation BLOB NOT NULL,"
@@ -85,6 +110,9 @@ enum stmt_id {
 	ST_COMMIT,
 	ST_ROLLBACK,
 	ST_PUT_MESSAGE,
+	ST_FOLD,
+	ST_JOURNAL_CLEAR,
+	ST_JOURNAL_COUNT,
 	ST_PUT_CONVERSATION,
 	ST_SET_CLOSED,
 	ST_SPOOL_PUT,
@@ -119,11 +147,20 @@ static const char *const stmt_sql[ST_COUNT] = {
     [ST_COMMIT] = "COMMIT",
     [ST_ROLLBACK] = "ROLLBACK",
     [ST_PUT_MESSAGE] =
-        "INSERT INTO messages(conversation, sk, version, updated, client_seen, map_bytes,"
-        " map) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT(conversation, sk) DO UPDATE"
+        "INSERT INTO journal(conversation, sk, version, updated, client_seen, map_bytes, map)"
+        " VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    /* The newest journal row of each key (max(seq) picks the row the bare columns come
+     * from), in key order, upserted into messages; confirmed is the message row's own. */
+    [ST_FOLD] =
+        "INSERT INTO messages(conversation, sk, version, updated, client_seen, map_bytes, map)"
+        " SELECT conversation, sk, version, updated, client_seen, map_bytes, map FROM"
+        " (SELECT *, max(seq) FROM journal GROUP BY conversation, sk) WHERE true"
+        " ON CONFLICT(conversation, sk) DO UPDATE"
         " SET version = excluded.version, updated = excluded.updated,"
         " client_seen = excluded.client_seen, map_bytes = excluded.map_bytes,"
         " map = excluded.map",
+    [ST_JOURNAL_CLEAR] = "DELETE FROM journal",
+    [ST_JOURNAL_COUNT] = "SELECT count(*) FROM journal",
     [ST_PUT_CONVERSATION] = "INSERT INTO conversations(id, updated, closed) VALUES(?1, ?2, 0)"
                             " ON CONFLICT(id) DO UPDATE SET updated = excluded.updated, closed = 0",
     [ST_SET_CLOSED] = "UPDATE conversations SET closed = ?2 WHERE id = ?1",
@@ -135,7 +172,21 @@ static const char *const stmt_sql[ST_COUNT] = {
                            " WHERE conversation = ?1 AND sk = ?2",
     [ST_DEAD_INSERT] = "INSERT INTO dead_letters(conversation, sk, version, item, error, at)"
                        " VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
-    [ST_LOAD_ONE] = LOAD_COLUMNS "WHERE c.id = ?1 ORDER BY m.sk",
+    /* The columns of LOAD_COLUMNS, from messages and the journal merged: per key the
+     * newest journal row if any (src = its seq), else the message row (src = 0). */
+    [ST_LOAD_ONE] =
+        "SELECT c.id, c.updated, m.sk, m.version, m.updated, m.client_seen, m.map,"
+        " max(coalesce((SELECT x.confirmed FROM messages x"
+        " WHERE x.conversation = c.id AND x.sk = m.sk), 0),"
+        " coalesce((SELECT p.version FROM spool p"
+        " WHERE p.sk = m.sk AND p.conversation = c.id), 0))"
+        " FROM conversations c LEFT JOIN"
+        " (SELECT sk, version, updated, client_seen, map, max(src) FROM"
+        " (SELECT sk, version, updated, client_seen, map, 0 AS src FROM messages"
+        " WHERE conversation = ?1 UNION ALL"
+        " SELECT sk, version, updated, client_seen, map, seq AS src FROM journal"
+        " WHERE conversation = ?1) GROUP BY sk) m ON true"
+        " WHERE c.id = ?1 ORDER BY m.sk",
     [ST_LOAD_OPEN] = LOAD_COLUMNS "WHERE c.closed = 0 ORDER BY c.id, m.sk",
     [ST_SPOOL_EACH] = "SELECT conversation, sk, version, enqueued FROM spool ORDER BY seq",
     [ST_MESSAGE_GET] =
@@ -182,6 +233,10 @@ struct store {
 	bool in_txn;
 	int txn_err; /* first failed write of the open transaction, 0 if none */
 	struct buf json; /* JSON text of the last store_put_message, reused */
+	uint64_t journal_rows;     /* committed rows in the journal (an upper bound) */
+	uint64_t txn_journal_rows; /* the same as the open transaction sees it */
+	uint64_t fold_at;          /* fold after a commit once journal_rows reaches it */
+	bool fold_failing;         /* the last fold failed (logged once) */
 };
 
 static const char *const durability_names[] = {"none", "process", "machine"};
@@ -396,6 +451,23 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 			int err = errno_of(db, rc);
 			set_errbuf(errbuf, errlen, "%s: cannot create the tables: %s", s->path,
 			           sqlite3_errmsg(db));
+			if (!sqlite3_get_autocommit(db))
+				sqlite3_exec(db, "ROLLBACK", NULL, NULL, NULL);
+			return err;
+		}
+	} else if (version < STORE_SCHEMA_VERSION) {
+		/* Schema 1 had no journal: add it. */
+		char sql[64];
+		snprintf(sql, sizeof(sql), "PRAGMA user_version=%d; COMMIT", STORE_SCHEMA_VERSION);
+		rc = sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL);
+		if (rc == SQLITE_OK)
+			rc = sqlite3_exec(db, JOURNAL_SQL, NULL, NULL, NULL);
+		if (rc == SQLITE_OK)
+			rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
+		if (rc != SQLITE_OK) {
+			int err = errno_of(db, rc);
+			set_errbuf(errbuf, errlen, "%s: cannot upgrade the schema from %" PRId64 ": %s",
+			           s->path, version, sqlite3_errmsg(db));
 			if (!sqlite3_get_autocommit(db))
 				sqlite3_exec(db, "ROLLBACK", NULL, NULL, NULL);
 			return err;
@@ -624,6 +696,16 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	sqlite3_busy_timeout(s->db, STORE_BUSY_TIMEOUT_MS);
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
+	{
+		int64_t rows = 0;
+		sqlite3_stmt *st = s->st[ST_JOURNAL_COUNT];
+		if (sqlite3_step(st) == SQLITE_ROW)
+			rows = sqlite3_column_int64(st, 0);
+		sqlite3_reset(st);
+		/* Unknown counts as non-empty: the first read folds whatever is there. */
+		s->journal_rows = rows > 0 ? (uint64_t)rows : 1;
+		s->fold_at = STORE_FOLD_ROWS;
+	}
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
 	sqlite3_exec(s->db, "PRAGMA cache_size=-32768", NULL, NULL, NULL);
 	if ((rc = checkpointer_start(s, durability)) < 0) {
@@ -638,11 +720,17 @@ fail:
 	return rc;
 }
 
+static int settle(struct store *s);
+static void fold_maybe(struct store *s);
+
 void store_close(struct store *s)
 {
 	if (!s)
 		return;
 	store_rollback(s);
+	/* The next start then finds the messages table complete. */
+	if (s->st[ST_FOLD] && s->journal_rows)
+		settle(s);
 	checkpointer_stop(s);
 	for (int i = 0; i < ST_COUNT; i++)
 		sqlite3_finalize(s->st[i]);
@@ -676,6 +764,7 @@ int store_begin(struct store *s)
 		return rc;
 	s->in_txn = true;
 	s->txn_err = 0;
+	s->txn_journal_rows = s->journal_rows;
 	return 0;
 }
 
@@ -706,30 +795,80 @@ int store_commit(struct store *s)
 		return rc;
 	}
 	s->in_txn = false;
+	s->journal_rows = s->txn_journal_rows;
+	fold_maybe(s);
 	return 0;
+}
+
+/* Folds the journal into messages inside the open transaction. 0 or -errno (logged). */
+static int fold(struct store *s)
+{
+	int rc;
+	if ((rc = run(s, s->st[ST_FOLD])) == 0 && (rc = run(s, s->st[ST_JOURNAL_CLEAR])) == 0)
+		s->txn_journal_rows = 0;
+	return rc;
+}
+
+/* Makes the messages table complete before a read or an update of it: folds the journal
+ * inside the open transaction, or in one of its own. 0 or -errno. */
+static int settle(struct store *s)
+{
+	int rc;
+	if (s->in_txn) {
+		if (!s->txn_journal_rows)
+			return s->txn_err;
+		if ((rc = write_check(s)) < 0)
+			return rc;
+		return write_done(s, fold(s));
+	}
+	if (!s->journal_rows)
+		return 0;
+	if ((rc = store_begin(s)) < 0)
+		return rc;
+	if ((rc = fold(s)) < 0) {
+		store_rollback(s);
+		return rc;
+	}
+	return store_commit(s);
+}
+
+/* After a commit: once the journal is long enough, folds it in a transaction of its own,
+ * so that a failing fold (a full disk) never fails the turn's writes. A failed fold is
+ * tried again STORE_FOLD_ROWS rows later; reads fold (or merge) whatever is left. */
+static void fold_maybe(struct store *s)
+{
+	int rc;
+	if (s->journal_rows < s->fold_at)
+		return;
+	rc = settle(s);
+	if (rc < 0) {
+		if (!s->fold_failing)
+			log_msg(LOG_WARN, "store",
+			        "%s: cannot fold the journal into the messages table (%s); "
+			        "trying again later",
+			        s->path, strerror(-rc));
+		s->fold_failing = true;
+		s->fold_at = s->journal_rows + STORE_FOLD_ROWS;
+		return;
+	}
+	s->fold_failing = false;
+	s->fold_at = STORE_FOLD_ROWS;
 }
 
 int store_put_message(struct store *s, const char *conv, size_t conv_len, const struct message *m)
 {
 	sqlite3_stmt *st = s->st[ST_PUT_MESSAGE];
-	char sk[DDBITEM_SK_MAX + 1];
-	json_t *map = NULL;
+	char sk[MESSAGE_SK_MAX + 1];
 	int rc = write_check(s);
 
 	if (rc)
 		return rc;
-	if (!m || !m->version)
+	/* A summary's key needs the last id it summarizes (see ddbitem_sort_key). */
+	if (!m || !m->version || (m->role == ROLE_SUMMARY && !m->nsummary_ids))
 		return -EINVAL;
-	if (!(map = message_to_map(m))) {
-		rc = -ENOMEM;
-		goto out;
-	}
-	if (ddbitem_sort_key(map, sk, NULL) != ERR_OK) {
-		rc = -EINVAL;
-		goto out;
-	}
+	message_sort_key(m, sk);
 	s->json.len = 0;
-	if ((rc = buf_append_json(&s->json, map)) < 0)
+	if ((rc = message_write_map(&s->json, m)) < 0)
 		goto out;
 	if ((rc = bind_key(s, ST_PUT_MESSAGE, conv, conv_len, sk)) < 0)
 		goto out;
@@ -743,9 +882,9 @@ int store_put_message(struct store *s, const char *conv, size_t conv_len, const 
 		rc = fail(s, st, rc ? rc : SQLITE_ERROR);
 		goto out;
 	}
-	rc = run(s, st);
+	if ((rc = run(s, st)) == 0)
+		s->txn_journal_rows++;
 out:
-	json_decref(map);
 	if (s->json.cap > STORE_BUF_KEEP)
 		buf_free(&s->json);
 	s->json.len = 0;
@@ -814,6 +953,8 @@ int store_spool_done(struct store *s, const char *conv, size_t conv_len, const c
 	sqlite3_stmt *st = s->st[ST_MESSAGE_CONFIRM];
 	int rc = write_check(s);
 	if (rc)
+		return rc;
+	if ((rc = settle(s)) < 0) /* the message row may still be in the journal */
 		return rc;
 	if ((rc = spool_delete(s, conv, conv_len, sk, version)) < 0)
 		return write_done(s, rc);
@@ -984,7 +1125,11 @@ int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void
 {
 	sqlite3_stmt *st = s->st[ST_LOAD_OPEN];
 	struct convo *c;
-	int rc = 0, step = sqlite3_step(st);
+	int rc, step;
+
+	if ((rc = settle(s)) < 0)
+		return rc;
+	step = sqlite3_step(st);
 
 	while (step == SQLITE_ROW) {
 		if ((rc = load_rows(s, st, &step, &c)) < 0)
@@ -1033,7 +1178,7 @@ int store_message_get(struct store *s, const char *conv, size_t conv_len, const 
 	int rc, step;
 
 	*map = NULL;
-	if ((rc = bind_key(s, ST_MESSAGE_GET, conv, conv_len, sk)) < 0)
+	if ((rc = settle(s)) < 0 || (rc = bind_key(s, ST_MESSAGE_GET, conv, conv_len, sk)) < 0)
 		return rc;
 	step = sqlite3_step(st);
 	if (step == SQLITE_DONE) {
@@ -1060,7 +1205,11 @@ int store_message_get(struct store *s, const char *conv, size_t conv_len, const 
 int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_STATS];
-	int rc = 0, step = sqlite3_step(st);
+	int rc, step;
+
+	if ((rc = settle(s)) < 0) /* map_bytes of messages still in the journal */
+		return rc;
+	step = sqlite3_step(st);
 	if (step == SQLITE_ROW) {
 		*items = (uint64_t)sqlite3_column_int64(st, 0);
 		*bytes = (uint64_t)sqlite3_column_int64(st, 1);
@@ -1172,6 +1321,7 @@ int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)
 	*removed = 0;
 	if ((rc = own_begin(s, &own)) < 0)
 		return rc;
+	rc = settle(s); /* journal rows of a purged conversation would come back */
 	for (int i = ST_PURGE_MESSAGES; !rc && i <= ST_PURGE_CONVERSATIONS; i++) {
 		if ((rc = sqlite3_bind_int64(s->st[i], 1, before_ms)) != SQLITE_OK)
 			rc = fail(s, s->st[i], rc);
