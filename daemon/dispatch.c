@@ -23,6 +23,10 @@ enum {
 	FLAG_SINK_DIRTY = 1u << 1,  /* on d->sink_dirty */
 	FLAG_CLOSING = 1u << 2,     /* closed: dropped from memory once the sink confirmed all */
 	FLAG_FROM_REMOTE = 1u << 3, /* restored from DynamoDB: stored as confirmed there */
+	/* Its conversations row is committed and open: a turn writes only its messages (the
+	 * row's updated time may lag; loading takes the newest of the messages' own). Saves a
+	 * page of the conversations table per conversation and turn. */
+	FLAG_ROW_OPEN = 1u << 4,
 };
 
 int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *store,
@@ -352,7 +356,8 @@ void dispatch_commit(struct dispatch *d, bool force)
 	for (c = d->store_dirty; c && !d->tx_error; c = c->daemon_next_store) {
 		struct take_ctx t = {d, c, 0};
 		convo_take(c, CONSUMER_STORE, false, store_take_cb, &t);
-		if (!d->tx_error && (rc = store_put_conversation(d->store, c)) < 0)
+		if (!d->tx_error && !(c->daemon_flags & FLAG_ROW_OPEN) &&
+		    (rc = store_put_conversation(d->store, c)) < 0)
 			d->tx_error = rc;
 		/* The row's upsert reopens it (closed = 0): a conversation closed in this
 		 * turn is marked closed again after it. */
@@ -405,6 +410,10 @@ void dispatch_commit(struct dispatch *d, bool force)
 		next = c->daemon_next_store;
 		c->daemon_next_store = NULL;
 		c->daemon_flags &= ~(unsigned int)(FLAG_STORE_DIRTY | FLAG_FROM_REMOTE);
+		if (c->daemon_flags & FLAG_CLOSING)
+			c->daemon_flags &= ~(unsigned int)FLAG_ROW_OPEN;
+		else
+			c->daemon_flags |= FLAG_ROW_OPEN;
 		if ((c->daemon_flags & FLAG_CLOSING) &&
 		    (!d->remote || sink_pending(d->sink, c->id, c->id_len) == 0))
 			drop_conversation(d, c);
@@ -456,6 +465,7 @@ static int restore_one(void *arg, struct convo *c)
 {
 	struct dispatch *d = arg;
 	loaded_from_store(d, c);
+	c->daemon_flags |= FLAG_ROW_OPEN; /* store_load_open loads only open rows */
 	if (registry_put(&d->reg, c) < 0) {
 		convo_free(c);
 		return -ENOMEM;

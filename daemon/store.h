@@ -56,7 +56,9 @@ bool store_in_transaction(const struct store *s);
  * its message map, version, updated_ms and the version the client's incremental
  * to_messages_map has seen (m->seen[CONSUMER_CLIENT]). */
 int store_put_message(struct store *s, const char *conv, size_t conv_len, const struct message *m);
-/* Upserts the conversation row: updated = c->updated_ms, closed = 0. */
+/* Upserts the conversation row: updated = c->updated_ms, closed = 0. Needed to create or
+ * reopen the row; while it is open, writing only messages is enough, since loading takes
+ * the newest of the row's and the messages' updated times. */
 int store_put_conversation(struct store *s, const struct convo *c);
 /* Marks the conversation closed at closed_ms (kept for the retention period; a
  * closed_ms below 1 counts as 1, since 0 means open). No-op for an unknown conversation. */

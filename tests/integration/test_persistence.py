@@ -1042,3 +1042,23 @@ def test_closed_conversations_stay_closed_after_restart(daemon_factory, how):
     # Asked for, a closed conversation comes back from the store, as it was.
     msgs = c.ok({"op": "get_messages", "conversation": "gone-1"})["messages"]
     assert [m["message"]["contents"] for m in msgs] == [["hello gone-1"]]
+    # Used again, a closed conversation is open again for good; an open one's new
+    # messages (written without its conversations row) survive with it.
+    c.ok({"op": "add_user", "conversation": "gone-2", "contents": "back"})
+    time.sleep(0.02)
+    before_ms = int(time.time() * 1000)
+    c.ok({"op": "add_assistant", "conversation": "keep", "contents": "still here"})
+    c.ok({"op": "ping"})
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d.start()
+    c = d.connect()
+    listed = c.ok({"op": "list"})["conversations"]
+    assert sorted(x["conversation"] for x in listed) == ["gone-2", "keep"]
+    msgs = c.ok({"op": "get_messages", "conversation": "gone-2"})["messages"]
+    assert [m["message"]["contents"] for m in msgs] == [["hello gone-2", "back"]]
+    msgs = c.ok({"op": "get_messages", "conversation": "keep"})["messages"]
+    assert [m["message"]["contents"] for m in msgs] == [["hello keep"], ["still here"]]
+    # The conversation's last change is the new message's, not its row's first write.
+    updated = {x["conversation"]: x["updated"] for x in listed}
+    assert updated["keep"] >= before_ms, (listed, before_ms)
