@@ -236,6 +236,21 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
 	conn_close(c);
 }
 
+/* A paused connection whose backlog went down to half the limit is served and read again. */
+static void conn_resume(struct conn *c)
+{
+	if (!c->paused || conn_backlog(c) > c->srv->cfg->max_output_bytes / 2)
+		return;
+	c->paused = false;
+	conn_serve(c);
+	if (!c->paused && !c->held && (c->eof || c->srv->stopping) && framer_pending(&c->fr) > 0) {
+		/* Only an unfinished line is left: discard it. */
+		framer_free(&c->fr);
+		framer_init(&c->fr, c->srv->cfg->max_line_bytes);
+	}
+	conn_read_start(c);
+}
+
 static void on_written(uv_write_t *req, int status)
 {
 	struct write_req *w = (struct write_req *)req;
@@ -251,42 +266,59 @@ static void on_written(uv_write_t *req, int status)
 	}
 	if (c->closing)
 		return;
-	if (c->paused && conn_backlog(c) <= c->srv->cfg->max_output_bytes / 2) {
-		c->paused = false;
-		conn_serve(c);
-		if (!c->paused && !c->held && (c->eof || c->srv->stopping) &&
-		    framer_pending(&c->fr) > 0) {
-			/* Only an unfinished line is left: discard it. */
-			framer_free(&c->fr);
-			framer_init(&c->fr, c->srv->cfg->max_line_bytes);
-		}
-		conn_read_start(c);
-	}
+	conn_resume(c);
 	conn_close_if_done(c);
+}
+
+/* Writes out[0..n) and keeps the rest of out for later. Most answers fit the socket's
+ * buffer: uv_try_write sends them without a request, a copy or a POLLOUT watcher (which
+ * libuv would otherwise arm and disarm, an epoll_ctl per answer). What the socket does not
+ * take goes to uv_write in a buffer of its own. */
+static void conn_write_prefix(struct conn *c, size_t n)
+{
+	struct write_req *w;
+	size_t done = 0;
+	uv_buf_t b;
+
+	if (c->closing || n == 0)
+		return;
+	if (c->queued == 0) {
+		int r;
+		b = uv_buf_init(c->out.data, (unsigned int)n);
+		r = uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
+		if (r < 0 && r != UV_EAGAIN && r != UV_ENOSYS) {
+			conn_close(c);
+			return;
+		}
+		if (r > 0)
+			done = (size_t)r;
+	}
+	if (done < n) {
+		w = malloc(sizeof(*w));
+		if (!w || !(w->data = malloc(n - done))) {
+			free(w);
+			conn_close(c);
+			return;
+		}
+		memcpy(w->data, c->out.data + done, n - done);
+		w->c = c;
+		w->len = n - done;
+		c->queued += w->len;
+		b = uv_buf_init(w->data, (unsigned int)w->len);
+		if (uv_write(&w->req, (uv_stream_t *)&c->pipe, &b, 1, on_written) < 0) {
+			c->queued -= w->len;
+			free(w->data);
+			free(w);
+			conn_close(c);
+			return;
+		}
+	}
+	buf_consume(&c->out, n);
 }
 
 static void conn_flush(struct conn *c)
 {
-	struct write_req *w;
-	uv_buf_t b;
-
-	if (c->closing || c->out.len == 0)
-		return;
-	w = malloc(sizeof(*w));
-	if (!w) {
-		conn_close(c);
-		return;
-	}
-	w->c = c;
-	w->data = buf_steal(&c->out, &w->len);
-	c->queued += w->len;
-	b = uv_buf_init(w->data, (unsigned int)w->len);
-	if (uv_write(&w->req, (uv_stream_t *)&c->pipe, &b, 1, on_written) < 0) {
-		c->queued -= w->len;
-		free(w->data);
-		free(w);
-		conn_close(c);
-	}
+	conn_write_prefix(c, c->out.len);
 }
 
 /* End of a loop turn: one commit for every mutation of the turn, then the answers. */
@@ -294,17 +326,22 @@ static void server_turn(struct server *s)
 {
 	struct conn *c, *next;
 
-	if (dispatch_pending_commit(s->dispatch))
-		dispatch_commit(s->dispatch, false);
-	if (!s->dirty)
-		return;
-	for (c = s->dirty, s->dirty = NULL; c; c = next) {
-		next = c->next_dirty;
-		c->dirty = false;
-		c->next_dirty = NULL;
-		conn_flush(c);
-		conn_close_if_done(c);
-	}
+	/* A connection written at once has no write callback to resume it: it is resumed
+	 * here, and what it answers then is committed and written in the next round, before
+	 * the loop may block in poll. Each round serves lines already read, so this ends. */
+	do {
+		if (dispatch_pending_commit(s->dispatch))
+			dispatch_commit(s->dispatch, false);
+		for (c = s->dirty, s->dirty = NULL; c; c = next) {
+			next = c->next_dirty;
+			c->dirty = false;
+			c->next_dirty = NULL;
+			conn_flush(c);
+			if (!c->closing && c->queued == 0)
+				conn_resume(c);
+			conn_close_if_done(c);
+		}
+	} while (s->dirty);
 }
 
 static void on_turn(uv_check_t *h)

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define BUF_KEEP_MAX (1024 * 1024) /* buf_consume frees emptied buffers above this */
+
 int buf_grow(struct buf *b, size_t n)
 {
 	size_t ncap;
@@ -243,6 +245,18 @@ int buf_append_json(struct buf *b, const json_t *j)
 	if (rc < 0)
 		b->len = mark;
 	return rc;
+}
+
+void buf_consume(struct buf *b, size_t n)
+{
+	if (n >= b->len) {
+		b->len = 0;
+		if (b->cap > BUF_KEEP_MAX)
+			buf_free(b);
+		return;
+	}
+	memmove(b->data, b->data + n, b->len - n);
+	b->len -= n;
 }
 
 char *buf_steal(struct buf *b, size_t *len)

@@ -45,6 +45,9 @@ int buf_append_jstring(struct buf *b, const char *s, size_t n);
 size_t buf_utf8_len(const char *s, size_t n);
 /* Appends v in decimal. 0 or -ENOMEM. */
 int buf_append_jint(struct buf *b, int64_t v);
+/* Drops the first n bytes (n <= len), moving the rest to the front. The allocation is
+ * kept for reuse, unless it is over 1 MiB and nothing is left. */
+void buf_consume(struct buf *b, size_t n);
 /* Hands the bytes to the caller (who frees them) and empties b. */
 char *buf_steal(struct buf *b, size_t *len);
 void buf_free(struct buf *b);
