@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "ddbitem.h"
+#include "jscan.h"
 #include "log.h"
 #include "ops.h"
 
@@ -57,8 +58,6 @@ int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *st
 
 static void marks_clear(struct dispatch *d)
 {
-	for (size_t i = 0; i < d->nmarks; i++)
-		json_decref(d->marks[i].id);
 	d->nmarks = 0;
 }
 
@@ -71,6 +70,7 @@ static void spooled_clear(struct dispatch *d)
 
 void dispatch_free(struct dispatch *d)
 {
+	buf_free(&d->scratch);
 	marks_clear(d);
 	free(d->marks);
 	spooled_clear(d);
@@ -287,6 +287,25 @@ static void revert_to_store(struct dispatch *d)
 	d->store_dirty = keep;
 }
 
+/* Copies the "id":ID, member that opens an answer written by answer_open, if any: the
+ * request's id as it was echoed. */
+static void answer_copy_id(struct buf *to, const char *answer, size_t len)
+{
+	static const char head[] = "{\"id\":";
+	struct jscan_value v;
+	size_t end;
+
+	if (len < sizeof(head) - 1 || memcmp(answer, head, sizeof(head) - 1) != 0)
+		return;
+	answer += sizeof(head) - 1;
+	len -= sizeof(head) - 1;
+	if (jscan_value(answer, len, &v, &end) == 0) {
+		buf_append(to, "\"id\":", 5);
+		buf_append(to, answer, end);
+		buf_append(to, ",", 1);
+	}
+}
+
 /* Rewrites the turn's dependent ok answers as `unavailable`, buffer by buffer. */
 static void fail_marked_answers(struct dispatch *d, const char *why)
 {
@@ -314,11 +333,7 @@ static void fail_marked_answers(struct dispatch *d, const char *why)
 				json_t *e = json_pack("{s:s, s:s}", "code", "unavailable",
 				                      "message", err.message);
 				buf_append(&fresh, "{", 1);
-				if (m->id) {
-					buf_append(&fresh, "\"id\":", 5);
-					buf_append_json(&fresh, m->id);
-					buf_append(&fresh, ",", 1);
-				}
+				answer_copy_id(&fresh, out->data + m->start, m->end - m->start);
 				buf_append(&fresh, "\"ok\":false,\"error\":", 19);
 				buf_append_json(&fresh, e);
 				buf_append(&fresh, "}\n", 2);
@@ -515,8 +530,7 @@ int dispatch_restore(struct dispatch *d)
 }
 
 /* Records an ok answer at out[start..] that the commit must confirm. */
-static void mark_answer(struct dispatch *d, struct buf *out, size_t start, const json_t *id,
-                        enum op op)
+static void mark_answer(struct dispatch *d, struct buf *out, size_t start, enum op op)
 {
 	if (!d->store || d->cfg->durability == DURABILITY_NONE)
 		return;
@@ -533,7 +547,6 @@ static void mark_answer(struct dispatch *d, struct buf *out, size_t start, const
 	d->marks[d->nmarks].out = out;
 	d->marks[d->nmarks].start = start;
 	d->marks[d->nmarks].end = out->len;
-	d->marks[d->nmarks].id = id ? json_incref((json_t *)id) : NULL;
 	d->marks[d->nmarks].op = (int)op;
 	d->nmarks++;
 }
@@ -609,18 +622,25 @@ oom:
  * and reserves room for a short tail. flush, close and retry_dead_letters, whose result is
  * a count made by the change itself, call it before the change, so that nothing can fail
  * after it. 0 or -ENOMEM (out unchanged). */
-static int answer_open(struct buf *out, const json_t *id)
+static int answer_head(struct buf *out, const json_t *id, const char *raw_id, size_t raw_len)
 {
 	size_t start = out->len;
 
 	if (buf_append(out, "{", 1) < 0 ||
 	    (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
 	            buf_append(out, ",", 1) < 0)) ||
+	    (raw_id && (buf_append(out, "\"id\":", 5) < 0 || buf_append(out, raw_id, raw_len) < 0 ||
+	                buf_append(out, ",", 1) < 0)) ||
 	    buf_append(out, "\"ok\":true,\"result\":", 19) < 0 || buf_reserve(out, 64) < 0) {
 		out->len = start;
 		return -ENOMEM;
 	}
 	return 0;
+}
+
+static int answer_open(struct buf *out, const json_t *id)
+{
+	return answer_head(out, id, NULL, 0);
 }
 
 /* Writes {"id":ID,"ok":true,"result":RESULT}; takes the reference to result. */
@@ -648,6 +668,8 @@ struct emit_ctx {
 	const json_t *id;
 	enum op op;
 	size_t start; /* where the answer begins in out */
+	const char *raw_id; /* instead of id: its JSON text as the request gave it */
+	size_t raw_id_len;
 };
 
 /* ops_emit_fn: the ok answer, written while the op can still be undone. */
@@ -656,7 +678,7 @@ static int emit_answer(void *arg, const json_t *result, ops_write_fn write, cons
 	struct emit_ctx *e = arg;
 	struct buf *out = e->out;
 
-	if (answer_open(out, e->id) < 0 ||
+	if (answer_head(out, e->id, e->raw_id, e->raw_id_len) < 0 ||
 	    (result ? buf_append_json(out, result) : write(out, wctx)) < 0 ||
 	    buf_append(out, "}\n", 2) < 0) {
 		out->len = e->start;
@@ -667,8 +689,8 @@ static int emit_answer(void *arg, const json_t *result, ops_write_fn write, cons
 }
 
 /* The tail after answer_open: {"key":n}}\n, within the room reserved (key is short). */
-static void answer_count(struct dispatch *d, struct buf *out, size_t start, const json_t *id,
-                         enum op op, const char *key, size_t n)
+static void answer_count(struct dispatch *d, struct buf *out, size_t start, enum op op,
+                         const char *key, size_t n)
 {
 	char tail[64];
 	int k = snprintf(tail, sizeof(tail), "{\"%s\":%zu}}\n", key, n);
@@ -676,7 +698,7 @@ static void answer_count(struct dispatch *d, struct buf *out, size_t start, cons
 	if (k > 0 && (size_t)k < sizeof(tail))
 		buf_append(out, tail, (size_t)k);
 	stats_request(&d->stats, op, ERR_OK);
-	mark_answer(d, out, start, id, op);
+	mark_answer(d, out, start, op);
 }
 
 void dispatch_too_large_line(struct dispatch *d, struct buf *out)
@@ -1000,6 +1022,242 @@ static int table_create_start(struct dispatch *d, void *waiter)
 	return wait_join(d, table_wait_key, sizeof(table_wait_key) - 1, waiter, start_create_table);
 }
 
+enum find_result { FIND_OK, FIND_WAIT, FIND_FAIL };
+
+/* The conversation cid names, for op: in memory, else loaded from the local store, else
+ * looked up in DynamoDB (FIND_WAIT: the request waits, see dispatch_line), else created
+ * empty when op creates conversations (*created; the caller registers or frees it).
+ * FIND_FAIL fills err. */
+static enum find_result find_convo(struct dispatch *d, enum op op, const char *cid,
+                                   size_t cid_len, void *waiter, enum dispatch_remote remote,
+                                   struct convo **out, bool *created, struct error *err)
+{
+	struct convo *c = registry_get(&d->reg, cid, cid_len);
+
+	*out = NULL;
+	*created = false;
+	if (!c && d->store) {
+		int rc = store_load_conversation(d->store, cid, cid_len, &c);
+		if (rc == 0) {
+			loaded_from_store(d, c);
+			if (d->reg.count >= d->cfg->max_conversations) {
+				convo_free(c);
+				error_set(err, ERR_UNAVAILABLE,
+				          "too many conversations in memory (limit %zu); retry later",
+				          d->cfg->max_conversations);
+				return FIND_FAIL;
+			}
+			if (registry_put(&d->reg, c) < 0) {
+				convo_free(c);
+				error_set(err, ERR_INTERNAL, "out of memory");
+				return FIND_FAIL;
+			}
+			if (sink_has_pending(c))
+				mark_sink_dirty(d, c);
+		} else if (rc != -ENOENT) {
+			error_set(err, ERR_UNAVAILABLE,
+			          "conversation: cannot be read from the local store; retry later");
+			return FIND_FAIL;
+		} else {
+			c = NULL;
+		}
+	}
+	if (!c && d->remote && remote == DISPATCH_REMOTE_CHECK && waiter) {
+		if (restore_start(d, cid, cid_len, waiter) == 0)
+			return FIND_WAIT;
+		remote = DISPATCH_REMOTE_FAILED;
+	}
+	if (!c && remote == DISPATCH_REMOTE_FAILED && !ops_creates(op)) {
+		/* It may exist in DynamoDB: not_found would be a guess. A new conversation is
+		 * created all the same (availability first; see proto/protocol.md). */
+		error_set(err, ERR_UNAVAILABLE,
+		          "conversation: cannot be looked up in DynamoDB now; retry later");
+		return FIND_FAIL;
+	}
+	if (c && (c->daemon_flags & FLAG_CLOSING) && op != OP_CLOSE) {
+		/* Used again before it left memory: it is open again. */
+		c->daemon_flags &= ~(unsigned int)FLAG_CLOSING;
+		mark_store_dirty(d, c);
+	}
+	if (!c) {
+		if (!ops_creates(op)) {
+			error_set(err, ERR_NOT_FOUND, "conversation: no conversation '%.*s'",
+			          (int)(cid_len > 64 ? 64 : cid_len), cid);
+			return FIND_FAIL;
+		}
+		if (d->reg.count >= d->cfg->max_conversations) {
+			error_set(err, ERR_UNAVAILABLE,
+			          "too many conversations in memory (limit %zu); retry later",
+			          d->cfg->max_conversations);
+			return FIND_FAIL;
+		}
+		c = convo_new(cid, cid_len);
+		if (!c) {
+			error_set(err, ERR_INTERNAL, "out of memory");
+			return FIND_FAIL;
+		}
+		*created = true;
+	}
+	*out = c;
+	return FIND_OK;
+}
+
+/* The fast path: add_user, add_assistant and add_message without metadata, the bulk of the
+ * traffic, read with jscan instead of jansson (no tree, no allocation) and answered
+ * without a result tree. It handles only requests that will succeed as far as can be told
+ * before running them: anything else, and any error while running, returns false before
+ * anything is answered, and dispatch_one reads the line again and gives the same answer it
+ * always gave (the op had changed nothing). */
+#define FAST_MEMBERS 12
+#define FAST_TEXTS 16
+
+static bool fast_plain(const struct jscan_member *m, const char *s, size_t n)
+{
+	return m && m->value.type == JSCAN_STRING && !m->value.escaped && m->value.len == n &&
+	       memcmp(m->value.p, s, n) == 0;
+}
+
+static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, struct buf *out,
+                          void *waiter, enum dispatch_remote remote, enum op *opp,
+                          enum dispatch_result *res)
+{
+	struct jscan_member mem[FAST_MEMBERS];
+	const struct jscan_member *mop, *mconv, *mid, *mcontents, *mrole;
+	const char *texts[FAST_TEXTS];
+	size_t lens[FAST_TEXTS], offs[FAST_TEXTS], ntexts = 0, n = 0;
+	struct ops_add_args args;
+	const char *raw_id = NULL;
+	size_t raw_id_len = 0;
+	bool dup = false, created = false, changed = false, any = false;
+	struct convo *c = NULL;
+	struct convo_env env;
+	struct error err;
+	enum op op;
+
+	if (jscan_object(line, len, mem, FAST_MEMBERS, &n) < 0 || n > FAST_MEMBERS)
+		return false;
+	mop = jscan_find(mem, n, "op", 2, &dup);
+	if (fast_plain(mop, "add_user", 8))
+		op = OP_ADD_USER;
+	else if (fast_plain(mop, "add_assistant", 13))
+		op = OP_ADD_ASSISTANT;
+	else if (fast_plain(mop, "add_message", 11))
+		op = OP_ADD_MESSAGE;
+	else
+		return false;
+	args.role = op == OP_ADD_ASSISTANT ? ROLE_ASSISTANT : ROLE_USER;
+	if (op == OP_ADD_MESSAGE) {
+		mrole = jscan_find(mem, n, "role", 4, &dup);
+		if (fast_plain(mrole, "assistant", 9))
+			args.role = ROLE_ASSISTANT;
+		else if (!fast_plain(mrole, "user", 4))
+			return false;
+	}
+	if (jscan_find(mem, n, "metadata", 8, &dup))
+		return false;
+	mconv = jscan_find(mem, n, "conversation", 12, &dup);
+	mcontents = jscan_find(mem, n, "contents", 8, &dup);
+	mid = jscan_find(mem, n, "id", 2, &dup);
+	if (dup || !mconv || mconv->value.type != JSCAN_STRING || mconv->value.escaped ||
+	    mconv->value.len == 0 || mconv->value.len > d->cfg->max_conversation_id_bytes ||
+	    !mcontents)
+		return false;
+	for (size_t i = 0; i < mconv->value.len; i++) {
+		unsigned char ch = (unsigned char)mconv->value.p[i];
+		if (ch < 0x20 || ch == 0x7f ||
+		    (ch == 0xc2 && i + 1 < mconv->value.len &&
+		     (unsigned char)mconv->value.p[i + 1] < 0xa0))
+			return false;
+	}
+	if (mid) {
+		/* Echoed as written where jansson would write it back the same. */
+		const struct jscan_value *v = &mid->value;
+		if (v->type == JSCAN_STRING && !v->escaped) {
+			raw_id = v->p - 1;
+			raw_id_len = v->len + 2;
+		} else if (v->type == JSCAN_NULL || v->type == JSCAN_TRUE || v->type == JSCAN_FALSE ||
+		           (v->type == JSCAN_INTEGER && !(v->len == 2 && v->p[0] == '-'))) {
+			raw_id = v->p;
+			raw_id_len = v->len;
+		} else {
+			return false;
+		}
+	}
+
+	/* The contents, decoded into the scratch buffer when escaped. */
+	d->scratch.len = 0;
+	if (mcontents->value.type == JSCAN_STRING) {
+		offs[0] = 0;
+		if (jscan_string(&mcontents->value, &d->scratch) < 0)
+			return false;
+		lens[0] = d->scratch.len;
+		ntexts = 1;
+	} else if (mcontents->value.type == JSCAN_ARRAY) {
+		struct jscan_value el;
+		size_t pos = 0;
+		while (jscan_array_next(&mcontents->value, &pos, &el)) {
+			if (el.type != JSCAN_STRING || ntexts == FAST_TEXTS)
+				return false;
+			offs[ntexts] = d->scratch.len;
+			if (jscan_string(&el, &d->scratch) < 0)
+				return false;
+			lens[ntexts] = d->scratch.len - offs[ntexts];
+			ntexts++;
+		}
+	} else {
+		return false;
+	}
+	for (size_t i = 0; i < ntexts; i++) {
+		texts[i] = d->scratch.data ? d->scratch.data + offs[i] : "";
+		any = any || !ops_text_blank(texts[i], lens[i]);
+	}
+	if (!any)
+		return false;
+
+	*opp = op;
+	switch (find_convo(d, op, mconv->value.p, mconv->value.len, waiter, remote, &c, &created,
+	                   &err)) {
+	case FIND_OK:
+		break;
+	case FIND_WAIT:
+		*res = DISPATCH_WAIT;
+		return true;
+	case FIND_FAIL:
+		return false;
+	}
+	if (d->sink && sink_full(d->sink)) {
+		if (created)
+			convo_free(c);
+		return false;
+	}
+	if (created && registry_put(&d->reg, c) < 0) {
+		convo_free(c);
+		return false;
+	}
+	env.ulid = &d->ulid;
+	env.now_ms = dispatch_now_ms();
+	env.limits.max_messages = d->cfg->max_messages;
+	env.limits.max_bytes = d->cfg->max_conversation_bytes;
+	args.texts = texts;
+	args.lens = lens;
+	args.ntexts = ntexts;
+	{
+		struct emit_ctx ec = {d, out, NULL, op, out->len, raw_id, raw_id_len};
+		if (ops_add_direct(c, &env, &args, emit_answer, &ec, &changed, &err) != ERR_OK) {
+			if (created)
+				drop_conversation(d, c);
+			return false;
+		}
+		if (changed) {
+			mark_store_dirty(d, c);
+			mark_sink_dirty(d, c);
+			mark_answer(d, out, ec.start, op);
+		}
+	}
+	*res = DISPATCH_DONE;
+	return true;
+}
+
 static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, size_t len,
                                          struct buf *out, void *waiter,
                                          enum dispatch_remote remote, enum op *opp)
@@ -1018,6 +1276,11 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 
 	if (is_blank(line, len))
 		return DISPATCH_DONE;
+	if (!d->no_fast_path) {
+		enum dispatch_result res;
+		if (dispatch_fast(d, line, len, out, waiter, remote, opp, &res))
+			return res;
+	}
 	ops_json_alloc_reset();
 	req = json_loadb(line, len, JSON_ALLOW_NUL, &jerr);
 	if (ops_json_alloc_failed()) {
@@ -1127,7 +1390,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			}
 			d->changed = true;
 		}
-		answer_count(d, out, start, id, op, "retried", n);
+		answer_count(d, out, start, op, "retried", n);
 		json_decref(req);
 		return DISPATCH_DONE;
 	}
@@ -1195,7 +1458,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			if (answer_open(out, id) < 0)
 				goto oom;
 			registry_each(&d->reg, flush_each, &ctx);
-			answer_count(d, out, start, id, op, "flushed", ctx.n);
+			answer_count(d, out, start, op, "flushed", ctx.n);
 			json_decref(req);
 			return DISPATCH_DONE;
 		}
@@ -1204,74 +1467,14 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		break;
 	}
 
-	c = registry_get(&d->reg, cid, cid_len);
-	if (!c && d->store) {
-		int rc = store_load_conversation(d->store, cid, cid_len, &c);
-		if (rc == 0) {
-			loaded_from_store(d, c);
-			if (d->reg.count >= d->cfg->max_conversations) {
-				convo_free(c);
-				error_set(
-				    &err, ERR_UNAVAILABLE,
-				    "too many conversations in memory (limit %zu); retry later",
-				    d->cfg->max_conversations);
-				goto fail;
-			}
-			if (registry_put(&d->reg, c) < 0) {
-				convo_free(c);
-				error_set(&err, ERR_INTERNAL, "out of memory");
-				goto fail;
-			}
-			if (sink_has_pending(c))
-				mark_sink_dirty(d, c);
-		} else if (rc != -ENOENT) {
-			c = NULL;
-			error_set(&err, ERR_UNAVAILABLE,
-			          "conversation: cannot be read from the local "
-			          "store; retry later");
-			goto fail;
-		} else {
-			c = NULL;
-		}
-	}
-	if (!c && d->remote && remote == DISPATCH_REMOTE_CHECK && waiter) {
-		int rc = restore_start(d, cid, cid_len, waiter);
-		if (rc == 0) {
-			json_decref(req);
-			return DISPATCH_WAIT;
-		}
-		remote = DISPATCH_REMOTE_FAILED;
-	}
-	if (!c && remote == DISPATCH_REMOTE_FAILED && !ops_creates(op)) {
-		/* It may exist in DynamoDB: not_found would be a guess. A new conversation is
-		 * created all the same (availability first; see proto/protocol.md). */
-		error_set(&err, ERR_UNAVAILABLE,
-		          "conversation: cannot be looked up in DynamoDB now; retry later");
+	switch (find_convo(d, op, cid, cid_len, waiter, remote, &c, &created, &err)) {
+	case FIND_OK:
+		break;
+	case FIND_WAIT:
+		json_decref(req);
+		return DISPATCH_WAIT;
+	case FIND_FAIL:
 		goto fail;
-	}
-	if (c && (c->daemon_flags & FLAG_CLOSING) && op != OP_CLOSE) {
-		/* Used again before it left memory: it is open again. */
-		c->daemon_flags &= ~(unsigned int)FLAG_CLOSING;
-		mark_store_dirty(d, c);
-	}
-	if (!c) {
-		if (!ops_creates(op)) {
-			error_set(&err, ERR_NOT_FOUND, "conversation: no conversation '%.*s'",
-			          (int)(cid_len > 64 ? 64 : cid_len), cid);
-			goto fail;
-		}
-		if (d->reg.count >= d->cfg->max_conversations) {
-			error_set(&err, ERR_UNAVAILABLE,
-			          "too many conversations in memory (limit %zu); retry later",
-			          d->cfg->max_conversations);
-			goto fail;
-		}
-		c = convo_new(cid, cid_len);
-		if (!c) {
-			error_set(&err, ERR_INTERNAL, "out of memory");
-			goto fail;
-		}
-		created = true;
 	}
 
 	if (op == OP_FLUSH || op == OP_CLOSE) {
@@ -1296,7 +1499,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			}
 			c = NULL;
 		}
-		answer_count(d, out, start, id, op, "flushed", n);
+		answer_count(d, out, start, op, "flushed", n);
 		json_decref(req);
 		return DISPATCH_DONE;
 	}
@@ -1321,7 +1524,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto fail;
 	}
 	{
-		struct emit_ctx ec = {d, out, id, op, out->len};
+		struct emit_ctx ec = {d, out, id, op, out->len, NULL, 0};
 		code = ops_run_emit(op, c, &env, req, emit_answer, &ec, &changed, &err);
 		if (code != ERR_OK) {
 			if (created)
@@ -1332,7 +1535,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (changed) {
 			mark_store_dirty(d, c);
 			mark_sink_dirty(d, c);
-			mark_answer(d, out, ec.start, id, op);
+			mark_answer(d, out, ec.start, op);
 		}
 	}
 	json_decref(req);

@@ -22,8 +22,7 @@
  * commit fails. */
 struct answer_mark {
 	struct buf *out;
-	size_t start, end;
-	json_t *id; /* owned reference, or NULL */
+	size_t start, end; /* the answer, whose head echoes the request's id */
 	int op;
 };
 
@@ -77,6 +76,8 @@ struct dispatch {
 	struct restore_wait *restores; /* restores from DynamoDB (and create_table) in progress */
 	bool requeue_spool;       /* dead letters went back to the spool: re-read it after commit */
 	dispatch_ready_cb on_ready;
+	struct buf scratch;       /* decoded request strings of the fast path */
+	bool no_fast_path;        /* read every request with jansson (tests compare both) */
 };
 
 /* Seeds the id generator and hash key from the kernel's randomness. store and sink may be

@@ -575,6 +575,79 @@ out:
 	return rc;
 }
 
+struct add_result {
+	const struct message *m;
+	bool merged;
+};
+
+/* ops_write_fn of ops_add_direct: the text message_result's tree would have. */
+static int write_add_result(struct buf *b, const void *ctx)
+{
+	const struct add_result *r = ctx;
+
+	if (buf_append(b, "{\"message\":", 11) < 0 || message_write_map(b, r->m) < 0)
+		return -ENOMEM;
+	return r->merged ? buf_append(b, ",\"merged\":true}", 15)
+	                 : buf_append(b, ",\"merged\":false}", 16);
+}
+
+enum error_code ops_add_direct(struct convo *c, const struct convo_env *env,
+                               const struct ops_add_args *a, ops_emit_fn emit, void *emit_arg,
+                               bool *changed, struct error *err)
+{
+	struct contents ct;
+	struct add_result r = {NULL, false};
+	struct message *m = NULL;
+	struct undo u;
+	enum error_code rc = ERR_OK;
+
+	ct.texts = ct.small_texts;
+	ct.lens = ct.small_lens;
+	ct.n = 0;
+	if (changed)
+		*changed = false;
+	if (a->ntexts > SMALL) {
+		ct.texts = malloc(a->ntexts * sizeof(*ct.texts));
+		ct.lens = malloc(a->ntexts * sizeof(*ct.lens));
+		if (!ct.texts || !ct.lens) {
+			rc = error_set(err, ERR_INTERNAL, "out of memory");
+			goto out;
+		}
+	}
+	for (size_t i = 0; i < a->ntexts; i++) {
+		if (a->lens[i] > UINT32_MAX) {
+			rc = error_set(err, ERR_TOO_LARGE, "contents[%zu]: string too long", i);
+			goto out;
+		}
+		if (!is_blank(a->texts[i], a->lens[i])) {
+			ct.texts[ct.n] = a->texts[i];
+			ct.lens[ct.n++] = a->lens[i];
+		}
+	}
+	if (!ct.n) {
+		rc = error_set(err, ERR_BAD_REQUEST, "contents: expected at least one non-blank string");
+		goto out;
+	}
+	undo_save(&u, c, c->nlog ? c->log[c->nlog - 1] : NULL);
+	rc = convo_add(c, env, a->role, ct.texts, ct.lens, ct.n, NULL, &m, &r.merged, err);
+	r.m = m;
+	if (!rc && emit(emit_arg, NULL, write_add_result, &r) < 0) {
+		undo_apply(&u, c);
+		rc = error_set(err, ERR_INTERNAL, "out of memory");
+	}
+	undo_release(&u);
+	if (!rc && changed)
+		*changed = true;
+out:
+	contents_free(&ct);
+	return rc;
+}
+
+bool ops_text_blank(const char *s, size_t len)
+{
+	return is_blank(s, len);
+}
+
 static enum error_code run_add_summary(struct convo *c, const struct convo_env *env,
                                        const json_t *req, json_t **result, bool *changed,
                                        struct error *err, ops_emit_fn emit, void *emit_arg)

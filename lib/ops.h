@@ -84,6 +84,26 @@ enum error_code ops_run_emit(enum op op, struct convo *c, const struct convo_env
 			     const json_t *req, ops_emit_fn emit, void *emit_arg, bool *changed,
 			     struct error *err);
 
+/* add_user, add_assistant or add_message read without jansson (the daemon's reader that
+ * builds no tree, jscan.h): the role and the contents strings as given (borrowed), no
+ * metadata. */
+struct ops_add_args {
+	enum role role;
+	const char *const *texts;
+	const size_t *lens;
+	size_t ntexts;
+};
+
+/* Runs that add as ops_run_emit would run the same request with jansson, writing the same
+ * result ({"message": MAP, "merged": bool}) through emit(arg, NULL, write, ctx). Blank
+ * strings are dropped here. The same errors, with c unchanged. */
+enum error_code ops_add_direct(struct convo *c, const struct convo_env *env,
+			       const struct ops_add_args *a, ops_emit_fn emit, void *emit_arg,
+			       bool *changed, struct error *err);
+
+/* True if s[0..len) is empty or only Unicode White_Space (such contents are dropped). */
+bool ops_text_blank(const char *s, size_t len);
+
 /* jansson's allocator reports no failure in some paths (its parser drops a byte of a string
  * or calls ENOMEM a syntax error; some setters fail silently). ops_json_alloc_init installs
  * wrappers around m and f that remember a failed allocation; ops_run and the daemon's

@@ -3,7 +3,8 @@
  * hit. Every non-blank line must get exactly one answer line of valid JSON with an "ok"
  * boolean, the request's id echoed, a result or an error of a known code (never internal:
  * nothing fails to allocate here), and every conversation must keep the invariants of
- * semantics.md. */
+ * semantics.md. The same lines go through a second dispatcher that reads every request with
+ * jansson (no fast path): both must answer the same, ids and times aside. */
 #include <string.h>
 
 #include "buf.h"
@@ -75,12 +76,40 @@ static void check_answer(const char *line, size_t len, const char *out, size_t o
 	json_decref(ans);
 }
 
+/* s[0..n) with every run of 13 digits (a time in ms) and of 26 ULID characters turned into
+ * one marker, into out (NUL-terminated): answers of the two dispatchers compare equal then. */
+static void normalize(const char *s, size_t n, struct buf *out)
+{
+	static const char ulid_chars[] = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+	out->len = 0;
+	for (size_t i = 0; i < n;) {
+		size_t k = 0;
+		while (i + k < n && k < 26 && s[i + k] && strchr(ulid_chars, s[i + k]))
+			k++;
+		if (k == 26) {
+			buf_append(out, "U", 1);
+			i += 26;
+			continue;
+		}
+		for (k = 0; i + k < n && s[i + k] >= '0' && s[i + k] <= '9';)
+			k++;
+		if (k == 13) {
+			buf_append(out, "T", 1);
+			i += 13;
+			continue;
+		}
+		buf_append(out, s + i, k ? k : 1);
+		i += k ? k : 1;
+	}
+	buf_append(out, "", 1);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	static bool quiet;
 	struct config cfg;
-	struct dispatch d;
-	struct buf out = {NULL, 0, 0};
+	struct dispatch d, slow;
+	struct buf out = {NULL, 0, 0}, out2 = {NULL, 0, 0}, n1 = {NULL, 0, 0}, n2 = {NULL, 0, 0};
 	const char *p = (const char *)data, *end = p + size;
 
 	if (!quiet) {
@@ -94,8 +123,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	cfg.max_conversation_bytes = 2048;
 	cfg.max_conversation_id_bytes = 32;
 	cfg.max_line_bytes = 4096;
-	if (dispatch_init(&d, &cfg, NULL, NULL) < 0)
+	if (dispatch_init(&d, &cfg, NULL, NULL) < 0 || dispatch_init(&slow, &cfg, NULL, NULL) < 0)
 		abort();
+	slow.no_fast_path = true;
 	while (p < end) {
 		const char *nl = memchr(p, '\n', (size_t)(end - p));
 		size_t len = nl ? (size_t)(nl - p) : (size_t)(end - p);
@@ -104,25 +134,43 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		if (len > 0 && p[len - 1] == '\r')
 			len--; /* as the framer hands lines over */
 		out.len = 0;
+		out2.len = 0;
 		if (len > cfg.max_line_bytes) {
 			dispatch_too_large_line(&d, &out);
 			check_answer("", 0, out.data, out.len);
 		} else {
 			r = dispatch_line(&d, p, len, &out, NULL, DISPATCH_REMOTE_CHECK);
 			FUZZ_REQUIRE(r == DISPATCH_DONE, "a memory-only daemon waited");
+			r = dispatch_line(&slow, p, len, &out2, NULL, DISPATCH_REMOTE_CHECK);
+			FUZZ_REQUIRE(r == DISPATCH_DONE, "a memory-only daemon waited");
 			if (blank(p, len))
 				FUZZ_REQUIRE(out.len == 0, "an answer to a blank line");
 			else
 				check_answer(p, len, out.data, out.len);
+			/* stats count the time spent, which differs */
+			if (!memmem(p, len, "stats", 5)) {
+				normalize(out.data, out.len, &n1);
+				normalize(out2.data, out2.len, &n2);
+				FUZZ_REQUIRE(n1.len == n2.len && memcmp(n1.data, n2.data, n1.len) == 0,
+				             "the fast path answered\n%s\nthe jansson path\n%s", n1.data,
+				             n2.data);
+			}
 		}
 		dispatch_commit(&d, false);
+		dispatch_commit(&slow, false);
 		registry_each(&d.reg, check_convo, NULL);
 		FUZZ_REQUIRE(d.reg.count <= cfg.max_conversations, "%zu conversations (limit %zu)",
 		             d.reg.count, cfg.max_conversations);
 		p = nl ? nl + 1 : end;
 	}
+	FUZZ_REQUIRE(d.reg.count == slow.reg.count, "%zu conversations, %zu without the fast path",
+	             d.reg.count, slow.reg.count);
 	buf_free(&out);
+	buf_free(&out2);
+	buf_free(&n1);
+	buf_free(&n2);
 	dispatch_free(&d);
+	dispatch_free(&slow);
 	config_free(&cfg);
 	return 0;
 }
