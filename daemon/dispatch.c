@@ -205,7 +205,14 @@ static void spool_take_cb(void *arg, const struct message *m, size_t index)
 	e->conv_len = t->c->id_len;
 	e->version = m->version;
 	e->at_ms = t->now_ms;
-	rc = store_spool_put(d->store, e->conv, e->conv_len, e->sk, e->version, e->at_ms);
+	d->scratch.len = 0;
+	if (message_write_map(&d->scratch, m) < 0) {
+		free(e->conv);
+		d->tx_error = -ENOMEM;
+		return;
+	}
+	rc = store_spool_put(d->store, e->conv, e->conv_len, e->sk, e->version, d->scratch.len,
+	                     e->at_ms);
 	if (rc < 0) {
 		free(e->conv);
 		d->tx_error = rc;
@@ -405,6 +412,7 @@ void dispatch_commit(struct dispatch *d, bool force)
 		revert_to_store(d);
 		return;
 	}
+	d->commits++;
 	if (d->store_failing)
 		log_msg(LOG_INFO, "store", "commits succeed again");
 	d->store_failing = false;
@@ -464,16 +472,23 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 		next = c->daemon_next_sink;
 		sink_take(d, c, all || now - c->updated_ms >= (int64_t)d->cfg->idle_ms);
 	}
-	if (d->store && d->cfg->closed_retention_days && ++ticks % 3600 == 1) {
+	dispatch_commit(d, true);
+	/* Nothing committed for a whole tick: let the store fold what it holds in memory, and
+	 * main give the memory back. */
+	if (d->store && d->commits == d->commits_at_tick && !store_in_transaction(d->store)) {
+		if (store_idle(d->store) == 0)
+			d->dropped_since_trim++;
+	}
+	d->commits_at_tick = d->commits;
+	/* Outside the turn's transaction: the purge folds pending records first. */
+	if (d->store && d->cfg->closed_retention_days && ++ticks % 3600 == 1 &&
+	    !store_in_transaction(d->store)) {
 		size_t removed = 0;
 		int64_t before = now - (int64_t)d->cfg->closed_retention_days * 86400000;
-		if (ensure_tx(d) == 0 && store_purge_closed(d->store, before, &removed) == 0 &&
-		    removed)
+		if (store_purge_closed(d->store, before, &removed) == 0 && removed)
 			log_msg(LOG_INFO, "store",
 			        "removed %zu closed conversations past retention", removed);
-		d->changed = true;
 	}
-	dispatch_commit(d, true);
 }
 
 static int restore_one(void *arg, struct convo *c)
@@ -518,6 +533,8 @@ int dispatch_restore(struct dispatch *d)
 				        strerror(-rc));
 				return rc;
 			}
+			/* Nothing else may commit soon: start sending now. */
+			sink_kick(d->sink);
 		} else {
 			log_msg(LOG_WARN, "store",
 			        "%llu spool rows wait for DynamoDB, which is not configured now",

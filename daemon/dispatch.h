@@ -58,6 +58,7 @@ struct restore_wait;
 struct dispatch {
 	const struct config *cfg; /* borrowed */
 	size_t dropped_since_trim; /* conversations freed since main last ran malloc_trim */
+	uint64_t commits, commits_at_tick; /* successful commits, and at the last flush tick */
 	struct registry reg;
 	struct stats stats;
 	struct ulid_gen ulid;

@@ -1,5 +1,6 @@
 /* The local store of store.h on SQLite: the schema, statements prepared once at open, one
- * transaction per loop turn, and conversations rebuilt from their rows. */
+ * transaction per loop turn, message records journaled per turn and folded into segments
+ * per conversation, and conversations rebuilt from them. */
 #include "store.h"
 
 #include <errno.h>
@@ -11,18 +12,23 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "buf.h"
 #include "ddbitem.h"
 #include "log.h"
+#include "msgrec.h"
+#include "siphash.h"
 
 #define STORE_FILE "convod.db"
-#define STORE_SCHEMA_VERSION 2 /* 2: the journal table */
+/* 2: the journal table; 3: batches and segments instead of the messages table */
+#define STORE_SCHEMA_VERSION 3
 #define STORE_APPLICATION_ID 0x636e7664 /* "cnvd": tells our files from other SQLite files */
 #define STORE_BUSY_TIMEOUT_MS 100
-#define STORE_BUF_KEEP (1024 * 1024) /* larger JSON buffers are freed after use */
+#define STORE_BUF_KEEP (1024 * 1024) /* larger buffers are freed after use */
 /* WAL pages after which the checkpointer thread copies the WAL into the database (SQLite's
  * own automatic checkpoint uses the same 1000, but runs it inside the commit). */
 #define STORE_CHECKPOINT_PAGES 1000
@@ -35,110 +41,109 @@
  * SQLITE_BUSY or rarely found the thread idle, and a RESTART from the thread starved
  * behind the commits: the WAL grew past 100 MB in the store's unit test.) */
 #define STORE_WAL_HARD_PAGES 8000
-/* Journal rows after which a commit is followed by a fold (see the schema). */
-#define STORE_FOLD_ROWS 8192
+/* Pending records after which a fold cycle starts (see "Messages" below). */
+#define STORE_FOLD_RECORDS 16384
+/* Records folded after each commit, at least; at most the cycle's own. */
+#define STORE_FOLD_STEP_MIN 64
 
-/* closed = 0 while open, else the Unix ms of the close.
+/* Messages. A group commit adds message versions to many conversations at once. Stored
+ * one row per message in a table keyed by (conversation, sk), each message dirtied a page
+ * per conversation and turn (4 kB of WAL per add at 50 connections); appended to a journal
+ * and folded into that table in batches, the fold cost 3-4 us per message and stalled the
+ * loop 35-60 ms each time. So now:
  *
- * Written for the group commit, where a turn adds messages to many conversations: messages
- * is a rowid table, so that its rows (the large part) are appended to the same few pages,
- * and only the small entries of its (conversation, sk) index land in one page per
- * conversation; clustered by (conversation, sk) instead, every message dirtied a page of
- * whole rows and the commit wrote twice the bytes, at half the speed. For the same reason
- * the spool's unique key starts with sk, whose ULIDs grow with time, so new spool rows are
- * appended too. map is the last column so that the others are read without following the
- * overflow pages of a long map; map_bytes spares the spool statistics from reading maps.
+ * - A turn's message records (msgrec.h) are one row of `batches`, written in its commit:
+ *   a few pages of WAL per turn, whatever the conversations.
+ * - Committed batches stay in memory (the pending records) until folded. A fold cycle
+ *   starts once STORE_FOLD_RECORDS records are pending: it sorts them by conversation and,
+ *   a few conversations after each commit (in that commit's transaction, so that the loop
+ *   never stalls on a whole fold), writes one row of `segments` per conversation with its
+ *   records, the newest version of each message. The cycle's last step deletes its
+ *   batches. A crash in the middle leaves batches that the next start folds again;
+ *   segments written twice hold the same versions.
+ * - A conversation is its segments, in order, then its pending records; the highest
+ *   version of each message wins. Reading one (store_load_conversation) merges them and
+ *   never writes: it is what rebuilds memory after a failed commit, when the disk may be
+ *   full. store_open folds whatever batches a crash left, before anything is read.
  *
- * Even so, each message written dirtied one page of that index per conversation, and a
- * turn's commit wrote a page to the WAL for each (4 kB per add at 50 connections). So a
- * message is written to the journal first: a rowid table without any index, whose rows
- * are appended to the same few pages whatever the conversation. Once it holds
- * STORE_FOLD_ROWS rows, and before any read that needs the messages table, the journal
- * is folded into messages in one statement, the newest row of each key winning, in key
- * order, and emptied: the index pages are then written once per fold, not once per turn.
- * Reading one conversation (store_load_conversation) merges the journal's rows instead of
- * folding, so that it never writes: it is what rebuilds memory after a failed commit,
- * when the disk may be full. */
-#define JOURNAL_SQL                                                                                \
-	"CREATE TABLE journal("                                                                    \
-	" seq INTEGER PRIMARY KEY,"                                                                \
-	" conversation BLOB NOT NULL,"                                                             \
-	" sk TEXT NOT NULL,"                                                                       \
-	" version INTEGER NOT NULL,"                                                               \
-	" updated INTEGER NOT NULL,"                                                               \
-	" client_seen INTEGER NOT NULL,"                                                           \
-	" map_bytes INTEGER NOT NULL,"                                                             \
-	" map TEXT NOT NULL"                                                                       \
-	");"
-static const char schema_sql[] = "CREATE TABLE conversations("
-                                 " id BLOB PRIMARY KEY NOT NULL,"
-                                 " updated INTEGER NOT NULL,"
-                                 " closed INTEGER NOT NULL DEFAULT 0"
-                                 ") WITHOUT ROWID;"
-                                 "CREATE TABLE messages("
-                                 " conversation BLOB NOT NULL,"
-                                 " sk TEXT NOT NULL,"
-                                 " version INTEGER NOT NULL,"
-                                 " updated INTEGER NOT NULL,"
-                                 " client_seen INTEGER NOT NULL,"
-                                 " confirmed INTEGER NOT NULL DEFAULT 0,"
-                                 " map_bytes INTEGER NOT NULL,"
-                                 " map TEXT NOT NULL,"
-                                 " PRIMARY KEY(conversation, sk)"
-                                 ");"
-                                 JOURNAL_SQL
-                                 "CREATE TABLE spool("
-                                 " seq INTEGER PRIMARY KEY,"
-                                 " conversation BLOB NOT NULL,"
-                                 " sk TEXT NOT NULL,"
-                                 " version INTEGER NOT NULL,"
-                                 " enqueued INTEGER NOT NULL,"
-                                 " UNIQUE(sk, conversation)"
-                                 ");"
-                                 "CREATE TABLE dead_letters("
-                                 " seq INTEGER PRIMARY KEY,"
-                                 " conversation BLOB NOT NULL,"
-                                 " sk TEXT NOT NULL,"
-                                 " version INTEGER NOT NULL,"
-                                 " item TEXT,"
-                                 " error TEXT NOT NULL,"
-                                 " at INTEGER NOT NULL"
-                                 ");";
+ * closed = 0 while open, else the Unix ms of the close. The spool's unique key starts with
+ * sk, whose ULIDs grow with time, so that new spool rows are appended; its map_bytes is the
+ * message map's size when spooled (for the statistics). `confirmed` holds the versions
+ * DynamoDB confirmed. */
+static const char schema_sql[] =
+    "CREATE TABLE conversations("
+    " id BLOB PRIMARY KEY NOT NULL,"
+    " updated INTEGER NOT NULL,"
+    " closed INTEGER NOT NULL DEFAULT 0"
+    ") WITHOUT ROWID;"
+    "CREATE TABLE spool("
+    " seq INTEGER PRIMARY KEY,"
+    " conversation BLOB NOT NULL,"
+    " sk TEXT NOT NULL,"
+    " version INTEGER NOT NULL,"
+    " enqueued INTEGER NOT NULL,"
+    " map_bytes INTEGER NOT NULL DEFAULT 0,"
+    " UNIQUE(sk, conversation)"
+    ");"
+    "CREATE TABLE dead_letters("
+    " seq INTEGER PRIMARY KEY,"
+    " conversation BLOB NOT NULL,"
+    " sk TEXT NOT NULL,"
+    " version INTEGER NOT NULL,"
+    " item TEXT,"
+    " error TEXT NOT NULL,"
+    " at INTEGER NOT NULL"
+    ");";
+/* The tables of schema 3 that schema 2 did not have (created by the upgrade too). */
+static const char schema3_sql[] = "CREATE TABLE batches("
+                                  " seq INTEGER PRIMARY KEY,"
+                                  " data BLOB NOT NULL"
+                                  ");"
+                                  "CREATE TABLE segments("
+                                  " seq INTEGER PRIMARY KEY,"
+                                  " conversation BLOB NOT NULL,"
+                                  " data BLOB NOT NULL"
+                                  ");"
+                                  "CREATE INDEX segments_by_conversation"
+                                  " ON segments(conversation, seq);"
+                                  "CREATE TABLE confirmed("
+                                  " conversation BLOB NOT NULL,"
+                                  " sk TEXT NOT NULL,"
+                                  " version INTEGER NOT NULL,"
+                                  " PRIMARY KEY(conversation, sk)"
+                                  ") WITHOUT ROWID;";
 
 enum stmt_id {
 	ST_BEGIN = 0,
 	ST_COMMIT,
 	ST_ROLLBACK,
-	ST_PUT_MESSAGE,
-	ST_FOLD,
-	ST_JOURNAL_CLEAR,
-	ST_JOURNAL_COUNT,
+	ST_BATCH_PUT,
+	ST_BATCH_DELETE,
+	ST_BATCH_EACH,
+	ST_SEGMENT_PUT,
+	ST_SEGMENTS_OF,
+	ST_SEGMENTS_NEWEST,
+	ST_CONVERSATION_GET,
 	ST_PUT_CONVERSATION,
 	ST_SET_CLOSED,
+	ST_OPEN_EACH,
 	ST_SPOOL_PUT,
 	ST_SPOOL_DELETE,
-	ST_MESSAGE_CONFIRM,
+	ST_SPOOL_VERSION,
+	ST_CONFIRM,
+	ST_CONFIRMED_VERSION,
 	ST_DEAD_INSERT,
-	ST_LOAD_ONE,
-	ST_LOAD_OPEN,
 	ST_SPOOL_EACH,
-	ST_MESSAGE_GET,
 	ST_SPOOL_STATS,
 	ST_DEAD_LIST,
 	ST_DEAD_TO_SPOOL,
 	ST_DEAD_CLEAR,
-	ST_PURGE_MESSAGES,
+	ST_PURGE_SEGMENTS,
+	ST_PURGE_CONFIRMED,
 	ST_PURGE_CONVERSATIONS,
 	ST_COUNT,
 };
 
-/* Both load statements return the same columns: conversation id and updated, then the
- * message columns (NULL for a conversation without messages), in log order. */
-#define LOAD_COLUMNS                                                                               \
-	"SELECT c.id, c.updated, m.sk, m.version, m.updated, m.client_seen, m.map,"                \
-	" max(m.confirmed, coalesce((SELECT p.version FROM spool p"                                \
-	" WHERE p.sk = m.sk AND p.conversation = m.conversation), 0))"                              \
-	" FROM conversations c LEFT JOIN messages m ON m.conversation = c.id "
 /* The spool has no index by conversation: NOT IN reads it once. */
 #define PURGEABLE "closed != 0 AND closed < ?1 AND id NOT IN (SELECT conversation FROM spool)"
 
@@ -146,54 +151,34 @@ static const char *const stmt_sql[ST_COUNT] = {
     [ST_BEGIN] = "BEGIN IMMEDIATE",
     [ST_COMMIT] = "COMMIT",
     [ST_ROLLBACK] = "ROLLBACK",
-    [ST_PUT_MESSAGE] =
-        "INSERT INTO journal(conversation, sk, version, updated, client_seen, map_bytes, map)"
-        " VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    /* The newest journal row of each key (max(seq) picks the row the bare columns come
-     * from), in key order, upserted into messages; confirmed is the message row's own. */
-    [ST_FOLD] =
-        "INSERT INTO messages(conversation, sk, version, updated, client_seen, map_bytes, map)"
-        " SELECT conversation, sk, version, updated, client_seen, map_bytes, map FROM"
-        " (SELECT *, max(seq) FROM journal GROUP BY conversation, sk) WHERE true"
-        " ON CONFLICT(conversation, sk) DO UPDATE"
-        " SET version = excluded.version, updated = excluded.updated,"
-        " client_seen = excluded.client_seen, map_bytes = excluded.map_bytes,"
-        " map = excluded.map",
-    [ST_JOURNAL_CLEAR] = "DELETE FROM journal",
-    [ST_JOURNAL_COUNT] = "SELECT count(*) FROM journal",
+    [ST_BATCH_PUT] = "INSERT INTO batches(seq, data) VALUES(?1, ?2)",
+    [ST_BATCH_DELETE] = "DELETE FROM batches WHERE seq <= ?1",
+    [ST_BATCH_EACH] = "SELECT seq, data FROM batches ORDER BY seq",
+    [ST_SEGMENT_PUT] = "INSERT INTO segments(conversation, data) VALUES(?1, ?2)",
+    [ST_SEGMENTS_OF] = "SELECT data FROM segments WHERE conversation = ?1 ORDER BY seq",
+    [ST_SEGMENTS_NEWEST] =
+        "SELECT data FROM segments WHERE conversation = ?1 ORDER BY seq DESC",
+    [ST_CONVERSATION_GET] = "SELECT updated FROM conversations WHERE id = ?1",
     [ST_PUT_CONVERSATION] = "INSERT INTO conversations(id, updated, closed) VALUES(?1, ?2, 0)"
                             " ON CONFLICT(id) DO UPDATE SET updated = excluded.updated, closed = 0",
     [ST_SET_CLOSED] = "UPDATE conversations SET closed = ?2 WHERE id = ?1",
-    [ST_SPOOL_PUT] = "INSERT INTO spool(conversation, sk, version, enqueued)"
-                     " VALUES(?1, ?2, ?3, ?4) ON CONFLICT(sk, conversation) DO UPDATE"
-                     " SET version = max(version, excluded.version)",
+    [ST_OPEN_EACH] = "SELECT id FROM conversations WHERE closed = 0 ORDER BY id",
+    /* map_bytes follows the version it belongs to. */
+    [ST_SPOOL_PUT] = "INSERT INTO spool(conversation, sk, version, enqueued, map_bytes)"
+                     " VALUES(?1, ?2, ?3, ?4, ?5) ON CONFLICT(sk, conversation) DO UPDATE"
+                     " SET version = max(version, excluded.version), map_bytes = CASE WHEN"
+                     " excluded.version >= version THEN excluded.map_bytes ELSE map_bytes END",
     [ST_SPOOL_DELETE] = "DELETE FROM spool WHERE conversation = ?1 AND sk = ?2 AND version <= ?3",
-    [ST_MESSAGE_CONFIRM] = "UPDATE messages SET confirmed = max(confirmed, ?3)"
-                           " WHERE conversation = ?1 AND sk = ?2",
+    [ST_SPOOL_VERSION] = "SELECT version FROM spool WHERE sk = ?2 AND conversation = ?1",
+    [ST_CONFIRM] = "INSERT INTO confirmed(conversation, sk, version) VALUES(?1, ?2, ?3)"
+                   " ON CONFLICT(conversation, sk) DO UPDATE"
+                   " SET version = max(version, excluded.version)",
+    [ST_CONFIRMED_VERSION] = "SELECT version FROM confirmed WHERE conversation = ?1 AND sk = ?2",
     [ST_DEAD_INSERT] = "INSERT INTO dead_letters(conversation, sk, version, item, error, at)"
                        " VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
-    /* The columns of LOAD_COLUMNS, from messages and the journal merged: per key the
-     * newest journal row if any (src = its seq), else the message row (src = 0). */
-    [ST_LOAD_ONE] =
-        "SELECT c.id, c.updated, m.sk, m.version, m.updated, m.client_seen, m.map,"
-        " max(coalesce((SELECT x.confirmed FROM messages x"
-        " WHERE x.conversation = c.id AND x.sk = m.sk), 0),"
-        " coalesce((SELECT p.version FROM spool p"
-        " WHERE p.sk = m.sk AND p.conversation = c.id), 0))"
-        " FROM conversations c LEFT JOIN"
-        " (SELECT sk, version, updated, client_seen, map, max(src) FROM"
-        " (SELECT sk, version, updated, client_seen, map, 0 AS src FROM messages"
-        " WHERE conversation = ?1 UNION ALL"
-        " SELECT sk, version, updated, client_seen, map, seq AS src FROM journal"
-        " WHERE conversation = ?1) GROUP BY sk) m ON true"
-        " WHERE c.id = ?1 ORDER BY m.sk",
-    [ST_LOAD_OPEN] = LOAD_COLUMNS "WHERE c.closed = 0 ORDER BY c.id, m.sk",
     [ST_SPOOL_EACH] = "SELECT conversation, sk, version, enqueued FROM spool ORDER BY seq",
-    [ST_MESSAGE_GET] =
-        "SELECT map, version, updated FROM messages WHERE conversation = ?1 AND sk = ?2",
-    [ST_SPOOL_STATS] = "SELECT count(*), coalesce(sum(m.map_bytes), 0),"
-                       " coalesce(min(s.enqueued), 0) FROM spool s LEFT JOIN messages m"
-                       " ON m.conversation = s.conversation AND m.sk = s.sk",
+    [ST_SPOOL_STATS] = "SELECT count(*), coalesce(sum(map_bytes), 0),"
+                       " coalesce(min(enqueued), 0) FROM spool",
     [ST_DEAD_LIST] = "SELECT conversation, sk, version, error, at FROM"
                      " (SELECT * FROM dead_letters ORDER BY seq DESC LIMIT ?1) ORDER BY seq",
     /* WHERE true: SQLite's parser needs it before an upsert's ON CONFLICT. */
@@ -203,8 +188,10 @@ static const char *const stmt_sql[ST_COUNT] = {
         " GROUP BY conversation, sk ORDER BY min(seq)"
         " ON CONFLICT(sk, conversation) DO UPDATE SET version = max(version, excluded.version)",
     [ST_DEAD_CLEAR] = "DELETE FROM dead_letters",
-    [ST_PURGE_MESSAGES] = "DELETE FROM messages WHERE conversation IN"
+    [ST_PURGE_SEGMENTS] = "DELETE FROM segments WHERE conversation IN"
                           " (SELECT id FROM conversations WHERE " PURGEABLE ")",
+    [ST_PURGE_CONFIRMED] = "DELETE FROM confirmed WHERE conversation IN"
+                           " (SELECT id FROM conversations WHERE " PURGEABLE ")",
     [ST_PURGE_CONVERSATIONS] = "DELETE FROM conversations WHERE " PURGEABLE,
 };
 
@@ -225,18 +212,52 @@ struct checkpointer {
 	enum durability durability;
 };
 
+/* One pending record, and the next record of its conversation (SIZE_MAX: none). */
+struct pentry {
+	const char *rec;
+	size_t next;
+};
+
+/* The pending records of one conversation: a chain of entries in commit order. */
+struct pconv {
+	const char *id; /* borrowed from its first record */
+	size_t id_len;
+	uint64_t hash;
+	size_t first, last, n;
+};
+
+/* Committed batches not yet folded: their records, chained per conversation, and a table
+ * of the conversations (open addressing on a keyed hash: ids come from clients). */
+struct pending {
+	char **batches; /* owned record strings */
+	size_t nbatches, capbatches;
+	struct pentry *entries;
+	size_t nentries, capentries;
+	struct pconv *convs;
+	size_t nconvs, capconvs;
+	uint32_t *slots; /* index + 1 into convs, 0 = empty; a power of two, at most half full */
+	size_t nslots;
+	uint64_t last_seq; /* of the newest batch here */
+};
+
 struct store {
 	sqlite3 *db;
 	struct checkpointer ck;
 	char *path; /* DIR/convod.db, for messages */
 	sqlite3_stmt *st[ST_COUNT];
 	bool in_txn;
-	int txn_err; /* first failed write of the open transaction, 0 if none */
+	int txn_err;     /* first failed write of the open transaction, 0 if none */
 	struct buf json; /* JSON text of the last store_put_message, reused */
-	uint64_t journal_rows;     /* committed rows in the journal (an upper bound) */
-	uint64_t txn_journal_rows; /* the same as the open transaction sees it */
-	uint64_t fold_at;          /* fold after a commit once journal_rows reaches it */
-	bool fold_failing;         /* the last fold failed (logged once) */
+	struct buf batch; /* message records of the open transaction */
+	size_t batch_records;
+	uint64_t batch_seq; /* seq of the last committed batch */
+	struct pending next; /* committed, not in a fold cycle yet */
+	struct pending cur;  /* the fold cycle's: sorted by conversation */
+	size_t cursor;       /* cur's next entry to fold */
+	size_t txn_cursor;   /* cursor when the open transaction began */
+	bool txn_fold_started, txn_fold_ended; /* what the transaction's fold step did */
+	bool sink_rows;      /* spool or confirmed rows may exist: loads look them up */
+	uint64_t hash_key[2];
 };
 
 static const char *const durability_names[] = {"none", "process", "machine"};
@@ -378,6 +399,99 @@ static int quick_check(sqlite3 *db, char *out, size_t out_len)
 	return rc;
 }
 
+
+/* Builds one segment per conversation from the rows of a schema 1 or 2 messages table. */
+static int upgrade_messages(sqlite3 *db)
+{
+	sqlite3_stmt *rd = NULL, *wr = NULL;
+	struct buf seg = {NULL, 0, 0}, conv = {NULL, 0, 0};
+	int rc, step;
+
+	rc = sqlite3_prepare_v2(db,
+	                        "SELECT conversation, sk, version, updated, client_seen, map"
+	                        " FROM messages ORDER BY conversation, sk",
+	                        -1, &rd, NULL);
+	if (rc == SQLITE_OK)
+		rc = sqlite3_prepare_v2(db, stmt_sql[ST_SEGMENT_PUT], -1, &wr, NULL);
+	while (rc == SQLITE_OK && (step = sqlite3_step(rd)) == SQLITE_ROW) {
+		const char *id = sqlite3_column_blob(rd, 0);
+		size_t id_len = (size_t)sqlite3_column_bytes(rd, 0);
+		struct msgrec r = {NULL, 0, NULL, 0, 0, 0, 0, NULL, 0};
+
+		if (seg.len && (id_len != conv.len || (id_len && memcmp(id, conv.data, id_len)))) {
+			sqlite3_bind_blob64(wr, 1, conv.len ? conv.data : "", conv.len, SQLITE_STATIC);
+			sqlite3_bind_blob64(wr, 2, seg.data, seg.len, SQLITE_STATIC);
+			rc = sqlite3_step(wr) == SQLITE_DONE ? SQLITE_OK : sqlite3_errcode(db);
+			sqlite3_reset(wr);
+			seg.len = 0;
+		}
+		conv.len = 0;
+		if (buf_append(&conv, id_len ? id : "", id_len) < 0) {
+			rc = SQLITE_NOMEM;
+			break;
+		}
+		r.sk = (const char *)sqlite3_column_text(rd, 1);
+		r.sk_len = r.sk ? (size_t)sqlite3_column_bytes(rd, 1) : 0;
+		r.version = (uint32_t)sqlite3_column_int64(rd, 2);
+		r.updated_ms = sqlite3_column_int64(rd, 3);
+		r.client_seen = (uint32_t)sqlite3_column_int64(rd, 4);
+		r.map = (const char *)sqlite3_column_text(rd, 5);
+		r.map_len = r.map ? (size_t)sqlite3_column_bytes(rd, 5) : 0;
+		if (rc == SQLITE_OK && msgrec_append(&seg, &r) == -ENOMEM)
+			rc = SQLITE_NOMEM;
+		/* A row that cannot be a record is left out; loading would refuse it anyway. */
+	}
+	if (rc == SQLITE_OK && step != SQLITE_DONE)
+		rc = sqlite3_errcode(db);
+	if (rc == SQLITE_OK && seg.len) {
+		sqlite3_bind_blob64(wr, 1, conv.len ? conv.data : "", conv.len, SQLITE_STATIC);
+		sqlite3_bind_blob64(wr, 2, seg.data, seg.len, SQLITE_STATIC);
+		rc = sqlite3_step(wr) == SQLITE_DONE ? SQLITE_OK : sqlite3_errcode(db);
+	}
+	sqlite3_finalize(rd);
+	sqlite3_finalize(wr);
+	buf_free(&seg);
+	buf_free(&conv);
+	return rc;
+}
+
+/* Schema 1 (a messages table) or 2 (messages and a journal) to 3, in one transaction. */
+static int upgrade(sqlite3 *db, int64_t from)
+{
+	char sql[64];
+	int rc = sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL);
+
+	if (rc == SQLITE_OK && from == 2)
+		rc = sqlite3_exec(
+		    db,
+		    "INSERT INTO messages(conversation, sk, version, updated, client_seen, map_bytes,"
+		    " map) SELECT conversation, sk, version, updated, client_seen, map_bytes, map"
+		    " FROM (SELECT *, max(seq) FROM journal GROUP BY conversation, sk) WHERE true"
+		    " ON CONFLICT(conversation, sk) DO UPDATE SET version = excluded.version,"
+		    " updated = excluded.updated, client_seen = excluded.client_seen,"
+		    " map_bytes = excluded.map_bytes, map = excluded.map;"
+		    "DROP TABLE journal",
+		    NULL, NULL, NULL);
+	if (rc == SQLITE_OK)
+		rc = sqlite3_exec(db, schema3_sql, NULL, NULL, NULL);
+	if (rc == SQLITE_OK)
+		rc = sqlite3_exec(
+		    db,
+		    "ALTER TABLE spool ADD COLUMN map_bytes INTEGER NOT NULL DEFAULT 0;"
+		    "UPDATE spool SET map_bytes = coalesce((SELECT m.map_bytes FROM messages m"
+		    " WHERE m.conversation = spool.conversation AND m.sk = spool.sk), 0);"
+		    "INSERT INTO confirmed(conversation, sk, version)"
+		    " SELECT conversation, sk, confirmed FROM messages WHERE confirmed > 0",
+		    NULL, NULL, NULL);
+	if (rc == SQLITE_OK)
+		rc = upgrade_messages(db);
+	snprintf(sql, sizeof(sql), "DROP TABLE messages; PRAGMA user_version=%d; COMMIT",
+	         STORE_SCHEMA_VERSION);
+	if (rc == SQLITE_OK)
+		rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
+	return rc;
+}
+
 /* The checks and settings of store_open on an opened connection. */
 static int open_checks(struct store *s, enum durability durability, char *errbuf, size_t errlen)
 {
@@ -440,6 +554,8 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 		rc = sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL);
 		if (rc == SQLITE_OK)
 			rc = sqlite3_exec(db, schema_sql, NULL, NULL, NULL);
+		if (rc == SQLITE_OK)
+			rc = sqlite3_exec(db, schema3_sql, NULL, NULL, NULL);
 		if (rc == SQLITE_OK) {
 			char sql[128];
 			snprintf(sql, sizeof(sql),
@@ -456,14 +572,7 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 			return err;
 		}
 	} else if (version < STORE_SCHEMA_VERSION) {
-		/* Schema 1 had no journal: add it. */
-		char sql[64];
-		snprintf(sql, sizeof(sql), "PRAGMA user_version=%d; COMMIT", STORE_SCHEMA_VERSION);
-		rc = sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL);
-		if (rc == SQLITE_OK)
-			rc = sqlite3_exec(db, JOURNAL_SQL, NULL, NULL, NULL);
-		if (rc == SQLITE_OK)
-			rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
+		rc = upgrade(db, version);
 		if (rc != SQLITE_OK) {
 			int err = errno_of(db, rc);
 			set_errbuf(errbuf, errlen, "%s: cannot upgrade the schema from %" PRId64 ": %s",
@@ -472,6 +581,8 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 				sqlite3_exec(db, "ROLLBACK", NULL, NULL, NULL);
 			return err;
 		}
+		log_msg(LOG_INFO, "store", "%s: upgraded from schema %" PRId64 " to %d", s->path,
+		        version, STORE_SCHEMA_VERSION);
 	}
 	for (int i = 0; i < ST_COUNT; i++) {
 		rc = sqlite3_prepare_v3(db, stmt_sql[i], -1, SQLITE_PREPARE_PERSISTENT, &s->st[i],
@@ -642,11 +753,337 @@ uint64_t store_checkpoints(struct store *s)
 	return n;
 }
 
+
+/* ---- pending records ---- */
+
+static void pending_free(struct pending *p)
+{
+	for (size_t i = 0; i < p->nbatches; i++)
+		free(p->batches[i]);
+	free(p->batches);
+	free(p->entries);
+	free(p->convs);
+	free(p->slots);
+	memset(p, 0, sizeof(*p));
+}
+
+/* Empties p, keeping its arrays for the next cycle (no fresh pages to fault in). */
+static void pending_reset(struct pending *p)
+{
+	for (size_t i = 0; i < p->nbatches; i++)
+		free(p->batches[i]);
+	p->nbatches = 0;
+	p->nentries = 0;
+	p->nconvs = 0;
+	if (p->slots)
+		memset(p->slots, 0, p->nslots * sizeof(*p->slots));
+	p->last_seq = 0;
+}
+
+static struct pconv *pending_conv(const struct pending *p, const char *id, size_t len,
+                                  uint64_t hash)
+{
+	size_t mask = p->nslots - 1;
+
+	if (!p->nslots)
+		return NULL;
+	for (size_t i = hash & mask;; i = (i + 1) & mask) {
+		uint32_t k = p->slots[i];
+		if (!k)
+			return NULL;
+		struct pconv *c = &p->convs[k - 1];
+		if (c->hash == hash && c->id_len == len && memcmp(c->id, id, len) == 0)
+			return c;
+	}
+}
+
+/* Puts every conversation back in a table of nslots (a power of two). */
+static void pending_rehash(struct pending *p)
+{
+	size_t mask = p->nslots - 1;
+
+	memset(p->slots, 0, p->nslots * sizeof(*p->slots));
+	for (size_t k = 0; k < p->nconvs; k++) {
+		size_t i = p->convs[k].hash & mask;
+		while (p->slots[i])
+			i = (i + 1) & mask;
+		p->slots[i] = (uint32_t)(k + 1);
+	}
+}
+
+static int grow(void **arr, size_t *cap, size_t need, size_t size, size_t first)
+{
+	size_t ncap = *cap ? *cap : first;
+	void *q;
+
+	if (need <= *cap)
+		return 0;
+	while (ncap < need)
+		ncap *= 2;
+	if (!(q = realloc(*arr, ncap * size)))
+		return -ENOMEM;
+	*arr = q;
+	*cap = ncap;
+	return 0;
+}
+
+/* Room for one more batch of nrec records: adding it after its commit cannot fail. */
+static int pending_reserve(struct pending *p, size_t nrec)
+{
+	size_t need = p->nconvs + nrec;
+
+	if (need > UINT32_MAX / 2 - 1 ||
+	    grow((void **)&p->batches, &p->capbatches, p->nbatches + 1, sizeof(*p->batches), 64) < 0 ||
+	    grow((void **)&p->entries, &p->capentries, p->nentries + nrec, sizeof(*p->entries),
+	         1024) < 0 ||
+	    grow((void **)&p->convs, &p->capconvs, need, sizeof(*p->convs), 256) < 0)
+		return -ENOMEM;
+	if (2 * need > p->nslots) {
+		size_t n = p->nslots ? p->nslots : 512;
+		uint32_t *slots;
+		while (n < 2 * need)
+			n *= 2;
+		if (!(slots = malloc(n * sizeof(*slots))))
+			return -ENOMEM;
+		free(p->slots);
+		p->slots = slots;
+		p->nslots = n;
+		pending_rehash(p);
+	}
+	return 0;
+}
+
+/* Adds a committed batch (taking data) whose records were checked, with room reserved by
+ * pending_reserve. */
+static void pending_add(const struct store *s, struct pending *p, char *data, size_t len,
+                        uint64_t seq)
+{
+	struct msgrec r;
+	size_t pos = 0, at = 0, mask = p->nslots - 1;
+
+	p->batches[p->nbatches++] = data;
+	p->last_seq = seq;
+	while (msgrec_next(data, len, &pos, &r) == 1) {
+		uint64_t hash = siphash13(s->hash_key, (const unsigned char *)r.conv, r.conv_len);
+		struct pconv *c = pending_conv(p, r.conv, r.conv_len, hash);
+		size_t e = p->nentries++;
+
+		p->entries[e].rec = data + at;
+		p->entries[e].next = SIZE_MAX;
+		at = pos;
+		if (c) {
+			p->entries[c->last].next = e;
+			c->last = e;
+			c->n++;
+			continue;
+		}
+		c = &p->convs[p->nconvs++];
+		c->id = r.conv;
+		c->id_len = r.conv_len;
+		c->hash = hash;
+		c->first = c->last = e;
+		c->n = 1;
+		{
+			size_t i = hash & mask;
+			while (p->slots[i])
+				i = (i + 1) & mask;
+			p->slots[i] = (uint32_t)p->nconvs;
+		}
+	}
+}
+
+/* Orders a fold cycle's conversations by id, so that their segments go into the index in
+ * key order (each leaf written once per cycle, not once per segment). */
+static int cmp_pconv(const void *a, const void *b)
+{
+	const struct pconv *x = a, *y = b;
+	int r = memcmp(x->id, y->id, x->id_len < y->id_len ? x->id_len : y->id_len);
+	if (r)
+		return r;
+	return x->id_len < y->id_len ? -1 : x->id_len > y->id_len;
+}
+
+/* ---- the fold ---- */
+
+/* A record and its place among those of one read (for ties between equal versions). */
+struct cand {
+	struct msgrec r;
+	size_t order;
+};
+
+static int cmp_cand(const void *a, const void *b)
+{
+	const struct cand *x = a, *y = b;
+	size_t n = x->r.sk_len < y->r.sk_len ? x->r.sk_len : y->r.sk_len;
+	int c = memcmp(x->r.sk, y->r.sk, n);
+
+	if (c)
+		return c;
+	if (x->r.sk_len != y->r.sk_len)
+		return x->r.sk_len < y->r.sk_len ? -1 : 1;
+	if (x->r.version != y->r.version)
+		return x->r.version < y->r.version ? -1 : 1;
+	return x->order < y->order ? -1 : x->order > y->order;
+}
+
+/* Sorts candidates by sort key and keeps the newest of each message (the highest version,
+ * the later of equal ones), in sort-key order. Returns how many are left. */
+static size_t newest_per_key(struct cand *c, size_t n)
+{
+	size_t out = 0;
+
+	qsort(c, n, sizeof(*c), cmp_cand);
+	for (size_t i = 0; i < n; i++) {
+		if (i + 1 < n && c[i + 1].r.sk_len == c[i].r.sk_len &&
+		    memcmp(c[i + 1].r.sk, c[i].r.sk, c[i].r.sk_len) == 0)
+			continue;
+		c[out++] = c[i];
+	}
+	return out;
+}
+
+/* Writes the segment of conversation c of p: its records, the newest of each message. */
+static int write_segment(struct store *s, const struct pending *p, const struct pconv *c,
+                         struct buf *seg)
+{
+	sqlite3_stmt *st = s->st[ST_SEGMENT_PUT];
+	struct cand small[16], *v = small;
+	size_t k = 0;
+	int rc = 0;
+
+	if (c->n > sizeof(small) / sizeof(small[0]) && !(v = malloc(c->n * sizeof(*v))))
+		return -ENOMEM;
+	for (size_t e = c->first; e != SIZE_MAX; e = p->entries[e].next) {
+		size_t pos = 0;
+		if (msgrec_next(p->entries[e].rec, SIZE_MAX - (uintptr_t)p->entries[e].rec, &pos,
+		                &v[k].r) == 1) {
+			v[k].order = k;
+			k++;
+		}
+	}
+	k = newest_per_key(v, k);
+	seg->len = 0;
+	for (size_t i = 0; i < k && !rc; i++) {
+		v[i].r.conv_len = 0; /* the row names the conversation */
+		if (msgrec_append(seg, &v[i].r) < 0)
+			rc = -ENOMEM;
+	}
+	if (!rc && k) {
+		if ((rc = bind_conv(st, 1, c->id, c->id_len)) != SQLITE_OK ||
+		    (rc = sqlite3_bind_blob64(st, 2, seg->data, seg->len, SQLITE_STATIC)) != SQLITE_OK)
+			rc = fail(s, st, rc);
+		else
+			rc = run(s, st);
+	}
+	if (v != small)
+		free(v);
+	return rc;
+}
+
+/* One step of the fold inside the open transaction: starts a cycle when none runs and
+ * enough records are pending (or force), then writes the segments of about want records'
+ * conversations; the cycle's last step deletes its batches. store_commit and
+ * store_rollback finish or undo what it did. 0 or -errno. */
+static int fold_step(struct store *s, size_t want, bool force)
+{
+	struct buf seg = {NULL, 0, 0};
+	size_t folded = 0;
+	int rc = 0;
+
+	if (s->cursor >= s->cur.nconvs) {
+		if (s->cur.nentries || s->next.nentries == 0 ||
+		    (!force && s->next.nentries < STORE_FOLD_RECORDS))
+			return 0;
+		struct pending spare = s->cur; /* empty, its arrays kept */
+		s->cur = s->next;
+		s->next = spare;
+		qsort(s->cur.convs, s->cur.nconvs, sizeof(*s->cur.convs), cmp_pconv);
+		pending_rehash(&s->cur);
+		s->cursor = 0;
+		s->txn_fold_started = true;
+	}
+	while (s->cursor < s->cur.nconvs && folded < want && !rc) {
+		const struct pconv *c = &s->cur.convs[s->cursor++];
+		rc = write_segment(s, &s->cur, c, &seg);
+		folded += c->n;
+	}
+	if (!rc && s->cursor >= s->cur.nconvs) {
+		sqlite3_stmt *st = s->st[ST_BATCH_DELETE];
+		if ((rc = sqlite3_bind_int64(st, 1, (sqlite3_int64)s->cur.last_seq)) != SQLITE_OK)
+			rc = fail(s, st, rc);
+		else
+			rc = run(s, st);
+		s->txn_fold_ended = true;
+	}
+	buf_free(&seg);
+	return rc;
+}
+
+/* Folds everything pending, in transactions of its own (none may be open). 0 or -errno. */
+static int settle(struct store *s)
+{
+	int rc = 0;
+
+	while (!rc && (s->cur.nentries || s->next.nentries)) {
+		if ((rc = store_begin(s)) < 0)
+			break;
+		if ((rc = fold_step(s, SIZE_MAX, true)) < 0) {
+			store_rollback(s);
+			break;
+		}
+		rc = store_commit(s);
+	}
+	return rc;
+}
+
+/* Reads the batches a crash left into the pending records (store_open then folds them). */
+static int replay_batches(struct store *s)
+{
+	sqlite3_stmt *st = s->st[ST_BATCH_EACH];
+	int rc = 0, step;
+
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		int64_t seq = sqlite3_column_int64(st, 0);
+		const char *data = sqlite3_column_blob(st, 1);
+		size_t len = (size_t)sqlite3_column_bytes(st, 1), pos = 0, n = 0, good = 0;
+		struct msgrec r;
+		char *copy;
+		int got;
+
+		while ((got = msgrec_next(data, len, &pos, &r)) == 1) {
+			n++;
+			good = pos;
+		}
+		if (got < 0)
+			log_msg(LOG_ERROR, "store",
+			        "%s: journal row %" PRId64 " is damaged after %zu records; the rest "
+			        "of it is lost",
+			        s->path, seq, n);
+		if (!(copy = malloc(good ? good : 1)) || pending_reserve(&s->next, n) < 0) {
+			free(copy);
+			rc = -ENOMEM;
+			break;
+		}
+		if (good)
+			memcpy(copy, data, good);
+		pending_add(s, &s->next, copy, good, (uint64_t)seq);
+		if ((uint64_t)seq > s->batch_seq)
+			s->batch_seq = (uint64_t)seq;
+	}
+	if (!rc && step != SQLITE_DONE)
+		rc = fail(s, st, step);
+	sqlite3_reset(st);
+	return rc;
+}
+
+/* ---- open and close ---- */
+
 int store_open(const char *dir, enum durability durability, struct store **out, char *errbuf,
                size_t errlen)
 {
 	struct store *s = NULL;
 	struct stat sb;
+	int64_t rows = 0;
 	size_t n;
 	int rc;
 
@@ -680,6 +1117,11 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		goto fail;
 	}
 	snprintf(s->path, n, "%s/%s", dir, STORE_FILE);
+	if (getrandom(s->hash_key, sizeof(s->hash_key), 0) != sizeof(s->hash_key)) {
+		/* Only the resistance to chosen ids depends on it. */
+		s->hash_key[0] = (uint64_t)(uintptr_t)s ^ 0x9e3779b97f4a7c15ull;
+		s->hash_key[1] = (uint64_t)time(NULL);
+	}
 
 	rc = sqlite3_open_v2(s->path, &s->db,
 	                     SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX |
@@ -696,18 +1138,21 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	sqlite3_busy_timeout(s->db, STORE_BUSY_TIMEOUT_MS);
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
-	{
-		int64_t rows = 0;
-		sqlite3_stmt *st = s->st[ST_JOURNAL_COUNT];
-		if (sqlite3_step(st) == SQLITE_ROW)
-			rows = sqlite3_column_int64(st, 0);
-		sqlite3_reset(st);
-		/* Unknown counts as non-empty: the first read folds whatever is there. */
-		s->journal_rows = rows > 0 ? (uint64_t)rows : 1;
-		s->fold_at = STORE_FOLD_ROWS;
-	}
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
 	sqlite3_exec(s->db, "PRAGMA cache_size=-32768", NULL, NULL, NULL);
+	if (query_one(s->db,
+	              "SELECT EXISTS(SELECT 1 FROM spool) OR EXISTS(SELECT 1 FROM confirmed)",
+	              &rows, NULL, 0) != SQLITE_OK ||
+	    rows)
+		s->sink_rows = true;
+	/* What a crash left in the journal is folded before anything is read. */
+	if ((rc = replay_batches(s)) < 0 || (rc = settle(s)) < 0) {
+		set_errbuf(errbuf, errlen,
+		           "%s: cannot fold the journal a crash left (%s); free some space and "
+		           "start again",
+		           s->path, strerror(-rc));
+		goto fail;
+	}
 	if ((rc = checkpointer_start(s, durability)) < 0) {
 		set_errbuf(errbuf, errlen, "store: cannot start the checkpoint thread: %s",
 		           strerror(-rc));
@@ -720,23 +1165,23 @@ fail:
 	return rc;
 }
 
-static int settle(struct store *s);
-static void fold_maybe(struct store *s);
-
 void store_close(struct store *s)
 {
 	if (!s)
 		return;
 	store_rollback(s);
-	/* The next start then finds the messages table complete. */
-	if (s->st[ST_FOLD] && s->journal_rows)
+	/* The next start then finds no journal to fold. */
+	if (s->st[ST_BATCH_PUT])
 		settle(s);
 	checkpointer_stop(s);
 	for (int i = 0; i < ST_COUNT; i++)
 		sqlite3_finalize(s->st[i]);
 	if (s->db && sqlite3_close(s->db) != SQLITE_OK)
 		log_msg(LOG_ERROR, "store", "%s: close: %s", s->path, sqlite3_errmsg(s->db));
+	pending_free(&s->cur);
+	pending_free(&s->next);
 	buf_free(&s->json);
+	buf_free(&s->batch);
 	free(s->path);
 	free(s);
 }
@@ -755,6 +1200,8 @@ int store_set_size_limit(struct store *s, uint64_t max_bytes)
 	return rc == SQLITE_OK ? 0 : fail(s, NULL, rc);
 }
 
+/* ---- transactions ---- */
+
 int store_begin(struct store *s)
 {
 	int rc;
@@ -764,7 +1211,10 @@ int store_begin(struct store *s)
 		return rc;
 	s->in_txn = true;
 	s->txn_err = 0;
-	s->txn_journal_rows = s->journal_rows;
+	s->batch.len = 0;
+	s->batch_records = 0;
+	s->txn_cursor = s->cursor;
+	s->txn_fold_started = s->txn_fold_ended = false;
 	return 0;
 }
 
@@ -777,11 +1227,29 @@ void store_rollback(struct store *s)
 		run(s, s->st[ST_ROLLBACK]);
 	s->in_txn = false;
 	s->txn_err = 0;
+	s->batch.len = 0;
+	s->batch_records = 0;
+	if (s->batch.cap > STORE_BUF_KEEP)
+		buf_free(&s->batch);
+	/* The fold's segments are gone with the transaction: so is its progress. */
+	s->cursor = s->txn_cursor;
+	if (s->txn_fold_started) {
+		struct pending spare = s->next;
+		s->next = s->cur;
+		s->cur = spare;
+		s->cursor = 0;
+	}
+	s->txn_fold_started = s->txn_fold_ended = false;
 }
 
 int store_commit(struct store *s)
 {
-	int rc;
+	size_t want = s->batch_records > STORE_FOLD_STEP_MIN ? s->batch_records
+	                                                      : STORE_FOLD_STEP_MIN;
+	char *data = NULL;
+	size_t len = 0;
+	int rc = 0;
+
 	if (!s->in_txn)
 		return -EINVAL;
 	if (s->txn_err) {
@@ -789,101 +1257,67 @@ int store_commit(struct store *s)
 		store_rollback(s);
 		return rc;
 	}
-	rc = run(s, s->st[ST_COMMIT]);
+	rc = fold_step(s, want, false);
+	if (!rc && s->batch.len) {
+		sqlite3_stmt *st = s->st[ST_BATCH_PUT];
+		if (pending_reserve(&s->next, s->batch_records) < 0)
+			rc = -ENOMEM;
+		else if ((rc = sqlite3_bind_int64(st, 1, (sqlite3_int64)(s->batch_seq + 1))) !=
+		             SQLITE_OK ||
+		         (rc = sqlite3_bind_blob64(st, 2, s->batch.data, s->batch.len,
+		                                   SQLITE_STATIC)) != SQLITE_OK)
+			rc = fail(s, st, rc);
+		else
+			rc = run(s, st);
+	}
+	if (!rc)
+		rc = run(s, s->st[ST_COMMIT]);
 	if (rc < 0) {
 		store_rollback(s);
 		return rc;
 	}
 	s->in_txn = false;
-	s->journal_rows = s->txn_journal_rows;
-	fold_maybe(s);
+	if (s->batch.len) {
+		data = buf_steal(&s->batch, &len);
+		pending_add(s, &s->next, data, len, ++s->batch_seq);
+	}
+	s->batch_records = 0;
+	if (s->txn_fold_ended) {
+		pending_reset(&s->cur);
+		s->cursor = 0;
+	}
+	s->txn_fold_started = s->txn_fold_ended = false;
 	return 0;
 }
 
-/* Folds the journal into messages inside the open transaction. 0 or -errno (logged). */
-static int fold(struct store *s)
-{
-	int rc;
-	if ((rc = run(s, s->st[ST_FOLD])) == 0 && (rc = run(s, s->st[ST_JOURNAL_CLEAR])) == 0)
-		s->txn_journal_rows = 0;
-	return rc;
-}
-
-/* Makes the messages table complete before a read or an update of it: folds the journal
- * inside the open transaction, or in one of its own. 0 or -errno. */
-static int settle(struct store *s)
-{
-	int rc;
-	if (s->in_txn) {
-		if (!s->txn_journal_rows)
-			return s->txn_err;
-		if ((rc = write_check(s)) < 0)
-			return rc;
-		return write_done(s, fold(s));
-	}
-	if (!s->journal_rows)
-		return 0;
-	if ((rc = store_begin(s)) < 0)
-		return rc;
-	if ((rc = fold(s)) < 0) {
-		store_rollback(s);
-		return rc;
-	}
-	return store_commit(s);
-}
-
-/* After a commit: once the journal is long enough, folds it in a transaction of its own,
- * so that a failing fold (a full disk) never fails the turn's writes. A failed fold is
- * tried again STORE_FOLD_ROWS rows later; reads fold (or merge) whatever is left. */
-static void fold_maybe(struct store *s)
-{
-	int rc;
-	if (s->journal_rows < s->fold_at)
-		return;
-	rc = settle(s);
-	if (rc < 0) {
-		if (!s->fold_failing)
-			log_msg(LOG_WARN, "store",
-			        "%s: cannot fold the journal into the messages table (%s); "
-			        "trying again later",
-			        s->path, strerror(-rc));
-		s->fold_failing = true;
-		s->fold_at = s->journal_rows + STORE_FOLD_ROWS;
-		return;
-	}
-	s->fold_failing = false;
-	s->fold_at = STORE_FOLD_ROWS;
-}
+/* ---- writes ---- */
 
 int store_put_message(struct store *s, const char *conv, size_t conv_len, const struct message *m)
 {
-	sqlite3_stmt *st = s->st[ST_PUT_MESSAGE];
 	char sk[MESSAGE_SK_MAX + 1];
+	struct msgrec r;
 	int rc = write_check(s);
 
 	if (rc)
 		return rc;
 	/* A summary's key needs the last id it summarizes (see ddbitem_sort_key). */
-	if (!m || !m->version || (m->role == ROLE_SUMMARY && !m->nsummary_ids))
+	if (!conv || !m || !m->version || (m->role == ROLE_SUMMARY && !m->nsummary_ids))
 		return -EINVAL;
 	message_sort_key(m, sk);
 	s->json.len = 0;
 	if ((rc = message_write_map(&s->json, m)) < 0)
 		goto out;
-	if ((rc = bind_key(s, ST_PUT_MESSAGE, conv, conv_len, sk)) < 0)
-		goto out;
-	if (sqlite3_bind_int64(st, 3, m->version) != SQLITE_OK ||
-	    sqlite3_bind_int64(st, 4, m->updated_ms) != SQLITE_OK ||
-	    sqlite3_bind_int64(st, 5, m->seen[CONSUMER_CLIENT]) != SQLITE_OK ||
-	    sqlite3_bind_int64(st, 6, (sqlite3_int64)s->json.len) != SQLITE_OK ||
-	    (rc = sqlite3_bind_text64(st, 7, s->json.data, s->json.len, SQLITE_STATIC,
-	                              SQLITE_UTF8)) !=
-	        SQLITE_OK) {
-		rc = fail(s, st, rc ? rc : SQLITE_ERROR);
-		goto out;
-	}
-	if ((rc = run(s, st)) == 0)
-		s->txn_journal_rows++;
+	r.conv = conv;
+	r.conv_len = conv_len;
+	r.sk = sk;
+	r.sk_len = strlen(sk);
+	r.version = m->version;
+	r.client_seen = m->seen[CONSUMER_CLIENT];
+	r.updated_ms = m->updated_ms;
+	r.map = s->json.data;
+	r.map_len = s->json.len;
+	if ((rc = msgrec_append(&s->batch, &r)) == 0)
+		s->batch_records++;
 out:
 	if (s->json.cap > STORE_BUF_KEEP)
 		buf_free(&s->json);
@@ -920,7 +1354,7 @@ int store_set_closed(struct store *s, const char *conv, size_t conv_len, int64_t
 }
 
 int store_spool_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
-                    uint32_t version, int64_t now_ms)
+                    uint32_t version, size_t map_bytes, int64_t now_ms)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_PUT];
 	int rc = write_check(s);
@@ -929,8 +1363,10 @@ int store_spool_put(struct store *s, const char *conv, size_t conv_len, const ch
 	if ((rc = bind_key(s, ST_SPOOL_PUT, conv, conv_len, sk)) < 0)
 		return write_done(s, rc);
 	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK ||
-	    (rc = sqlite3_bind_int64(st, 4, now_ms)) != SQLITE_OK)
+	    (rc = sqlite3_bind_int64(st, 4, now_ms)) != SQLITE_OK ||
+	    (rc = sqlite3_bind_int64(st, 5, (sqlite3_int64)map_bytes)) != SQLITE_OK)
 		return write_done(s, fail(s, st, rc));
+	s->sink_rows = true;
 	return write_done(s, run(s, st));
 }
 
@@ -950,18 +1386,17 @@ static int spool_delete(struct store *s, const char *conv, size_t conv_len, cons
 int store_spool_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
                      uint32_t version)
 {
-	sqlite3_stmt *st = s->st[ST_MESSAGE_CONFIRM];
+	sqlite3_stmt *st = s->st[ST_CONFIRM];
 	int rc = write_check(s);
 	if (rc)
 		return rc;
-	if ((rc = settle(s)) < 0) /* the message row may still be in the journal */
-		return rc;
 	if ((rc = spool_delete(s, conv, conv_len, sk, version)) < 0)
 		return write_done(s, rc);
-	if ((rc = bind_key(s, ST_MESSAGE_CONFIRM, conv, conv_len, sk)) < 0)
+	if ((rc = bind_key(s, ST_CONFIRM, conv, conv_len, sk)) < 0)
 		return write_done(s, rc);
 	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK)
 		return write_done(s, fail(s, st, rc));
+	s->sink_rows = true;
 	return write_done(s, run(s, st));
 }
 
@@ -984,25 +1419,37 @@ int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const 
 	return write_done(s, spool_delete(s, conv, conv_len, sk, version));
 }
 
+/* ---- reads ---- */
+
 /* Logs a row that cannot be read back and returns -EIO. */
 static int bad_row(struct store *s, const char *conv, size_t conv_len, const char *sk,
-                   const char *what)
+                   size_t sk_len, const char *what)
 {
-	log_msg(LOG_ERROR, "store", "%s: conversation \"%.*s\"%s%s: %s", s->path,
-	        (int)(conv_len > 200 ? 200 : conv_len), conv, sk ? " message " : "", sk ? sk : "",
-	        what);
+	log_msg(LOG_ERROR, "store", "%s: conversation \"%.*s\"%s%.*s: %s", s->path,
+	        (int)(conv_len > 200 ? 200 : conv_len), conv, sk ? " message " : "",
+	        (int)(sk ? sk_len : 0), sk ? sk : "", what);
 	return -EIO;
 }
 
-/* The message of the current row of a load statement (columns 2..6). */
-static int row_message(struct store *s, sqlite3_stmt *st, const struct convo *c,
-                       struct message **out)
+/* The version of (conv, sk) that a one-integer statement finds, or 0. */
+static int64_t key_version(struct store *s, enum stmt_id id, const char *conv, size_t conv_len,
+                           const struct msgrec *r)
 {
-	const char *sk = (const char *)sqlite3_column_text(st, 2);
-	int64_t version = sqlite3_column_int64(st, 3);
-	int64_t client_seen = sqlite3_column_int64(st, 5);
-	const char *text = (const char *)sqlite3_column_text(st, 6);
-	size_t text_len = (size_t)sqlite3_column_bytes(st, 6);
+	sqlite3_stmt *st = s->st[id];
+	int64_t v = 0;
+
+	if (bind_conv(st, 1, conv, conv_len) == SQLITE_OK &&
+	    sqlite3_bind_text64(st, 2, r->sk, r->sk_len, SQLITE_STATIC, SQLITE_UTF8) == SQLITE_OK &&
+	    sqlite3_step(st) == SQLITE_ROW)
+		v = sqlite3_column_int64(st, 0);
+	sqlite3_reset(st);
+	return v;
+}
+
+/* The message of record r of conversation c. */
+static int record_message(struct store *s, const struct convo *c, const struct msgrec *r,
+                          struct message **out)
+{
 	char key[DDBITEM_SK_MAX + 1];
 	struct message *m = NULL;
 	struct error e;
@@ -1011,37 +1458,36 @@ static int row_message(struct store *s, sqlite3_stmt *st, const struct convo *c,
 	int rc = 0;
 
 	*out = NULL;
-	if (!sk || !text) {
-		rc = sqlite3_errcode(s->db) == SQLITE_NOMEM
-		         ? -ENOMEM
-		         : bad_row(s, c->id, c->id_len, sk, "missing sort key or map");
+	if (r->version < 1 || r->client_seen > r->version) {
+		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len, "version out of range");
 		goto out;
 	}
-	if (version < 1 || version > UINT32_MAX || client_seen < 0 || client_seen > version) {
-		rc = bad_row(s, c->id, c->id_len, sk, "version out of range");
+	if (!(map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je))) {
+		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len, je.text);
 		goto out;
 	}
-	if (!(map = json_loadb(text, text_len, JSON_ALLOW_NUL, &je))) {
-		rc = bad_row(s, c->id, c->id_len, sk, je.text);
+	if (message_from_map(map, r->version, &m, &e) != ERR_OK) {
+		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len, e.message);
 		goto out;
 	}
-	if (message_from_map(map, (uint32_t)version, &m, &e) != ERR_OK) {
-		rc = bad_row(s, c->id, c->id_len, sk, e.message);
+	if (ddbitem_sort_key(map, key, &e) != ERR_OK || strlen(key) != r->sk_len ||
+	    memcmp(key, r->sk, r->sk_len) != 0) {
+		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len,
+		             "sort key does not match the message");
 		goto out;
 	}
-	if (ddbitem_sort_key(map, key, &e) != ERR_OK || strcmp(key, sk) != 0) {
-		rc = bad_row(s, c->id, c->id_len, sk, "sort key does not match the message");
-		goto out;
-	}
-	m->updated_ms = sqlite3_column_int64(st, 4);
-	m->seen[CONSUMER_STORE] = (uint32_t)version;
+	m->updated_ms = r->updated_ms;
+	m->seen[CONSUMER_STORE] = r->version;
 	/* Taken by the sink only when confirmed or spooled at this version: a version whose
 	 * spool row was never committed is taken again. */
-	{
-		int64_t covered = sqlite3_column_int64(st, 7);
-		m->seen[CONSUMER_SINK] = covered >= version ? (uint32_t)version : (uint32_t)covered;
+	if (s->sink_rows) {
+		int64_t covered = key_version(s, ST_CONFIRMED_VERSION, c->id, c->id_len, r);
+		int64_t spooled = key_version(s, ST_SPOOL_VERSION, c->id, c->id_len, r);
+		if (spooled > covered)
+			covered = spooled;
+		m->seen[CONSUMER_SINK] = covered >= r->version ? r->version : (uint32_t)covered;
 	}
-	m->seen[CONSUMER_CLIENT] = (uint32_t)client_seen;
+	m->seen[CONSUMER_CLIENT] = r->client_seen;
 	*out = m;
 	m = NULL;
 out:
@@ -1050,45 +1496,113 @@ out:
 	return rc;
 }
 
-/* Reads one conversation from a load statement standing on its first row (*step is
- * SQLITE_ROW) and leaves the statement on the next conversation's first row, or done; *step
- * is the last sqlite3_step result. Caller frees *out. */
-static int load_rows(struct store *s, sqlite3_stmt *st, int *step, struct convo **out)
+/* Candidates for one conversation's messages: its segments' records (read into segs), then
+ * its pending records, in that order. */
+struct cands {
+	struct cand *v;
+	size_t n, cap;
+};
+
+static int cands_push(struct cands *c, const struct msgrec *r)
 {
-	const void *id = sqlite3_column_blob(st, 0);
-	size_t id_len = (size_t)sqlite3_column_bytes(st, 0);
-	int64_t updated = sqlite3_column_int64(st, 1);
+	if (c->n == c->cap) {
+		size_t ncap = c->cap ? 2 * c->cap : 64;
+		struct cand *p = realloc(c->v, ncap * sizeof(*p));
+		if (!p)
+			return -ENOMEM;
+		c->v = p;
+		c->cap = ncap;
+	}
+	c->v[c->n].r = *r;
+	c->v[c->n].order = c->n;
+	c->n++;
+	return 0;
+}
+
+static int pending_collect(const struct pending *p, const char *conv, size_t conv_len,
+                           uint64_t hash, struct cands *out)
+{
+	const struct pconv *c = pending_conv(p, conv, conv_len, hash);
+
+	for (size_t e = c ? c->first : SIZE_MAX; e != SIZE_MAX; e = p->entries[e].next) {
+		struct msgrec r;
+		size_t pos = 0;
+		msgrec_next(p->entries[e].rec, SIZE_MAX - (uintptr_t)p->entries[e].rec, &pos, &r);
+		if (cands_push(out, &r) < 0)
+			return -ENOMEM;
+	}
+	return 0;
+}
+
+static int collect_records(struct store *s, const char *conv, size_t conv_len, struct buf *segs,
+                           struct cands *out)
+{
+	sqlite3_stmt *st = s->st[ST_SEGMENTS_OF];
+	uint64_t hash = siphash13(s->hash_key, (const unsigned char *)conv, conv_len);
+	struct msgrec r;
+	size_t pos = 0;
+	int rc = 0, step, got;
+
+	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK)
+		return fail(s, st, rc);
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		const void *data = sqlite3_column_blob(st, 0);
+		size_t len = (size_t)sqlite3_column_bytes(st, 0);
+		if (len && buf_append(segs, data, len) < 0) {
+			rc = -ENOMEM;
+			break;
+		}
+	}
+	if (!rc && step != SQLITE_DONE)
+		rc = fail(s, st, step);
+	sqlite3_reset(st);
+	if (rc)
+		return rc;
+	while ((got = msgrec_next(segs->data, segs->len, &pos, &r)) == 1)
+		if (cands_push(out, &r) < 0)
+			return -ENOMEM;
+	if (got < 0)
+		return bad_row(s, conv, conv_len, NULL, 0, "a damaged segment");
+	if ((rc = pending_collect(&s->cur, conv, conv_len, hash, out)) < 0 ||
+	    (rc = pending_collect(&s->next, conv, conv_len, hash, out)) < 0)
+		return rc;
+	/* Read inside a transaction, its own writes come last. */
+	pos = 0;
+	while (msgrec_next(s->batch.data, s->batch.len, &pos, &r) == 1)
+		if (r.conv_len == conv_len && memcmp(r.conv, conv, conv_len) == 0 &&
+		    cands_push(out, &r) < 0)
+			return -ENOMEM;
+	return 0;
+}
+
+/* Rebuilds conversation conv (whose row has updated time updated) from its records. */
+static int load_one(struct store *s, const char *conv, size_t conv_len, int64_t updated,
+                    struct convo **out)
+{
+	struct buf segs = {NULL, 0, 0};
+	struct cands cands = {NULL, 0, 0};
 	struct convo *c = NULL;
 	struct message *m;
 	struct error e;
-	int rc = 0;
+	size_t n;
+	int rc;
 
 	*out = NULL;
-	if (!(c = convo_new(id_len ? id : "", id_len))) {
+	if (!(c = convo_new(conv_len ? conv : "", conv_len))) {
 		rc = -ENOMEM;
 		goto out;
 	}
-	for (;;) {
-		if (sqlite3_column_type(st, 2) != SQLITE_NULL) {
-			if ((rc = row_message(s, st, c, &m)) < 0)
-				goto out;
-			if ((rc = convo_restore_append(c, m)) < 0)
-				goto out;
-		}
-		*step = sqlite3_step(st);
-		if (*step != SQLITE_ROW)
-			break;
-		id = sqlite3_column_blob(st, 0);
-		if ((size_t)sqlite3_column_bytes(st, 0) != c->id_len ||
-		    (c->id_len && memcmp(id, c->id, c->id_len) != 0))
-			break;
-	}
-	if (*step != SQLITE_ROW && *step != SQLITE_DONE) {
-		rc = fail(s, st, *step);
+	if ((rc = collect_records(s, conv, conv_len, &segs, &cands)) < 0)
 		goto out;
+	n = newest_per_key(cands.v, cands.n);
+	for (size_t i = 0; i < n; i++) {
+		if ((rc = record_message(s, c, &cands.v[i].r, &m)) < 0)
+			goto out;
+		if ((rc = convo_restore_append(c, m)) < 0)
+			goto out;
 	}
 	if (convo_restore_finish(c, &e) != ERR_OK) {
-		rc = bad_row(s, c->id, c->id_len, NULL, e.message);
+		rc = bad_row(s, c->id, c->id_len, NULL, 0, e.message);
 		goto out;
 	}
 	if (updated > c->updated_ms)
@@ -1097,12 +1611,15 @@ static int load_rows(struct store *s, sqlite3_stmt *st, int *step, struct convo 
 	c = NULL;
 out:
 	convo_free(c);
+	buf_free(&segs);
+	free(cands.v);
 	return rc;
 }
 
 int store_load_conversation(struct store *s, const char *conv, size_t conv_len, struct convo **out)
 {
-	sqlite3_stmt *st = s->st[ST_LOAD_ONE];
+	sqlite3_stmt *st = s->st[ST_CONVERSATION_GET];
+	int64_t updated = 0;
 	int rc, step;
 
 	*out = NULL;
@@ -1111,28 +1628,32 @@ int store_load_conversation(struct store *s, const char *conv, size_t conv_len, 
 	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK)
 		return fail(s, st, rc);
 	step = sqlite3_step(st);
-	if (step == SQLITE_DONE)
-		rc = -ENOENT;
-	else if (step != SQLITE_ROW)
-		rc = fail(s, st, step);
-	else
-		rc = load_rows(s, st, &step, out);
+	if (step == SQLITE_ROW)
+		updated = sqlite3_column_int64(st, 0);
+	rc = step == SQLITE_ROW ? 0 : step == SQLITE_DONE ? -ENOENT : fail(s, st, step);
 	sqlite3_reset(st);
-	return rc;
+	if (rc)
+		return rc;
+	return load_one(s, conv, conv_len, updated, out);
 }
 
 int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg)
 {
-	sqlite3_stmt *st = s->st[ST_LOAD_OPEN];
+	sqlite3_stmt *st = s->st[ST_OPEN_EACH];
+	struct buf id = {NULL, 0, 0};
 	struct convo *c;
-	int rc, step;
+	int rc = 0, step;
 
-	if ((rc = settle(s)) < 0)
-		return rc;
-	step = sqlite3_step(st);
-
-	while (step == SQLITE_ROW) {
-		if ((rc = load_rows(s, st, &step, &c)) < 0)
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		const void *p = sqlite3_column_blob(st, 0);
+		size_t len = (size_t)sqlite3_column_bytes(st, 0);
+		id.len = 0;
+		/* The id is copied: loading runs other statements while this one walks. */
+		if (buf_append(&id, len ? p : "", len ? len : 1) < 0) {
+			rc = -ENOMEM;
+			break;
+		}
+		if ((rc = store_load_conversation(s, id.data, len, &c)) < 0)
 			break;
 		if ((rc = fn(arg, c)) != 0)
 			break;
@@ -1140,6 +1661,7 @@ int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void
 	if (!rc && step != SQLITE_DONE)
 		rc = fail(s, st, step);
 	sqlite3_reset(st);
+	buf_free(&id);
 	return rc;
 }
 
@@ -1157,7 +1679,8 @@ int store_spool_each(struct store *s,
 		const char *sk = (const char *)sqlite3_column_text(st, 1);
 		int64_t version = sqlite3_column_int64(st, 2);
 		if (!sk || version < 0 || version > UINT32_MAX) {
-			rc = bad_row(s, conv ? conv : "", conv_len, sk, "bad spool row");
+			rc = bad_row(s, conv ? conv : "", conv_len, sk, sk ? strlen(sk) : 0,
+			             "bad spool row");
 			break;
 		}
 		if ((rc = fn(arg, conv ? conv : "", conv_len, sk, (uint32_t)version,
@@ -1170,34 +1693,95 @@ int store_spool_each(struct store *s,
 	return rc;
 }
 
+/* The newest record of (conv, sk) among pending ones: the last in its chain. */
+static bool pending_find(const struct pending *p, const char *conv, size_t conv_len,
+                         uint64_t hash, const char *sk, size_t sk_len, struct msgrec *out)
+{
+	const struct pconv *c = pending_conv(p, conv, conv_len, hash);
+	bool found = false;
+
+	for (size_t e = c ? c->first : SIZE_MAX; e != SIZE_MAX; e = p->entries[e].next) {
+		struct msgrec r;
+		size_t pos = 0;
+		msgrec_next(p->entries[e].rec, SIZE_MAX - (uintptr_t)p->entries[e].rec, &pos, &r);
+		if (r.sk_len == sk_len && memcmp(r.sk, sk, sk_len) == 0) {
+			*out = r;
+			found = true;
+		}
+	}
+	return found;
+}
+
+/* The last record of (conv, sk) in the open transaction's batch. */
+static bool batch_find(const struct store *s, const char *conv, size_t conv_len, const char *sk,
+                       size_t sk_len, struct msgrec *out)
+{
+	struct msgrec r;
+	size_t pos = 0;
+	bool found = false;
+
+	while (msgrec_next(s->batch.data, s->batch.len, &pos, &r) == 1) {
+		if (r.conv_len == conv_len && memcmp(r.conv, conv, conv_len) == 0 &&
+		    r.sk_len == sk_len && memcmp(r.sk, sk, sk_len) == 0) {
+			*out = r;
+			found = true;
+		}
+	}
+	return found;
+}
+
+/* The map of record r as the caller's new JSON value. */
+static int record_map(struct store *s, const char *conv, size_t conv_len, const struct msgrec *r,
+                      json_t **map, uint32_t *version, int64_t *updated_ms)
+{
+	json_error_t je;
+
+	if (r->version < 1)
+		return bad_row(s, conv, conv_len, r->sk, r->sk_len, "bad message record");
+	if (!(*map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je)))
+		return bad_row(s, conv, conv_len, r->sk, r->sk_len, je.text);
+	*version = r->version;
+	*updated_ms = r->updated_ms;
+	return 0;
+}
+
 int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,
                       json_t **map, uint32_t *version, int64_t *updated_ms)
 {
-	sqlite3_stmt *st = s->st[ST_MESSAGE_GET];
-	json_error_t je;
+	sqlite3_stmt *st = s->st[ST_SEGMENTS_NEWEST];
+	uint64_t hash;
+	struct msgrec r;
+	size_t sk_len;
 	int rc, step;
 
 	*map = NULL;
-	if ((rc = settle(s)) < 0 || (rc = bind_key(s, ST_MESSAGE_GET, conv, conv_len, sk)) < 0)
-		return rc;
-	step = sqlite3_step(st);
-	if (step == SQLITE_DONE) {
-		rc = -ENOENT;
-	} else if (step != SQLITE_ROW) {
-		rc = fail(s, st, step);
-	} else {
-		const char *text = (const char *)sqlite3_column_text(st, 0);
-		int64_t v = sqlite3_column_int64(st, 1);
-		if (!text || v < 1 || v > UINT32_MAX)
-			rc = bad_row(s, conv, conv_len, sk, "bad message row");
-		else if (!(*map = json_loadb(text, (size_t)sqlite3_column_bytes(st, 0),
-		                             JSON_ALLOW_NUL, &je)))
-			rc = bad_row(s, conv, conv_len, sk, je.text);
-		if (!rc) {
-			*version = (uint32_t)v;
-			*updated_ms = sqlite3_column_int64(st, 2);
+	if (!conv || !sk)
+		return -EINVAL;
+	hash = siphash13(s->hash_key, (const unsigned char *)conv, conv_len);
+	sk_len = strlen(sk);
+	if (batch_find(s, conv, conv_len, sk, sk_len, &r) ||
+	    pending_find(&s->next, conv, conv_len, hash, sk, sk_len, &r) ||
+	    pending_find(&s->cur, conv, conv_len, hash, sk, sk_len, &r))
+		return record_map(s, conv, conv_len, &r, map, version, updated_ms);
+	/* The newest segment holding the message has its newest version. */
+	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK)
+		return fail(s, st, rc);
+	rc = -ENOENT;
+	while (rc == -ENOENT && (step = sqlite3_step(st)) == SQLITE_ROW) {
+		const char *data = sqlite3_column_blob(st, 0);
+		size_t len = (size_t)sqlite3_column_bytes(st, 0), pos = 0;
+		int got;
+		while ((got = msgrec_next(data, len, &pos, &r)) == 1) {
+			if (r.sk_len == sk_len && memcmp(r.sk, sk, sk_len) == 0) {
+				rc = record_map(s, conv, conv_len, &r, map, version, updated_ms);
+				break;
+			}
 		}
+		if (got < 0)
+			rc = bad_row(s, conv, conv_len, NULL, 0, "a damaged segment");
 	}
+	if (rc == -ENOENT && step != SQLITE_DONE)
+		rc = fail(s, st, step);
 	sqlite3_reset(st);
 	return rc;
 }
@@ -1205,10 +1789,8 @@ int store_message_get(struct store *s, const char *conv, size_t conv_len, const 
 int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_STATS];
-	int rc, step;
+	int rc = 0, step;
 
-	if ((rc = settle(s)) < 0) /* map_bytes of messages still in the journal */
-		return rc;
 	step = sqlite3_step(st);
 	if (step == SQLITE_ROW) {
 		*items = (uint64_t)sqlite3_column_int64(st, 0);
@@ -1315,14 +1897,15 @@ int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n)
 
 int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)
 {
-	bool own;
 	int rc;
 
 	*removed = 0;
-	if ((rc = own_begin(s, &own)) < 0)
+	if (s->in_txn)
+		return -EINVAL;
+	/* Pending records of a purged conversation would be folded into segments later. */
+	if ((rc = settle(s)) < 0 || (rc = store_begin(s)) < 0)
 		return rc;
-	rc = settle(s); /* journal rows of a purged conversation would come back */
-	for (int i = ST_PURGE_MESSAGES; !rc && i <= ST_PURGE_CONVERSATIONS; i++) {
+	for (int i = ST_PURGE_SEGMENTS; !rc && i <= ST_PURGE_CONVERSATIONS; i++) {
 		if ((rc = sqlite3_bind_int64(s->st[i], 1, before_ms)) != SQLITE_OK)
 			rc = fail(s, s->st[i], rc);
 		else
@@ -1330,9 +1913,33 @@ int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)
 	}
 	if (!rc)
 		*removed = (size_t)sqlite3_changes64(s->db);
-	rc = own_end(s, own, rc);
+	if (rc < 0) {
+		store_rollback(s);
+		return rc;
+	}
+	rc = store_commit(s);
 	if (rc < 0)
 		*removed = 0;
+	return rc;
+}
+
+int store_idle(struct store *s)
+{
+	int rc = 0;
+
+	if (s->in_txn)
+		return -EINVAL;
+	if (s->cur.nentries || s->next.nentries)
+		rc = settle(s);
+	if (!rc) {
+		pending_free(&s->cur);
+		pending_free(&s->next);
+		s->cursor = 0;
+	}
+	buf_free(&s->batch);
+	buf_free(&s->json);
+	/* The page cache refills as needed. */
+	sqlite3_db_release_memory(s->db);
 	return rc;
 }
 

@@ -1,7 +1,8 @@
 /* The local store: one SQLite database (WAL) in the state directory holding every
  * conversation's messages (their current version, as message maps), which conversations
- * are closed, the spool of writes the DynamoDB sink has not confirmed yet, and the dead
- * letters. The daemon writes one transaction per loop turn (group commit). */
+ * are closed, the spool of writes the DynamoDB sink has not confirmed yet, the versions it
+ * confirmed, and the dead letters. The daemon writes one transaction per loop turn (group
+ * commit). */
 #ifndef CONVOD_STORE_H
 #define CONVOD_STORE_H
 
@@ -22,12 +23,15 @@ const char *store_durability_str(enum durability d);
 struct store;
 
 /* Opens or creates DIR/convod.db: WAL journal, synchronous=NORMAL (none, process) or FULL
- * (machine), schema created or checked, PRAGMA quick_check passed. On failure returns
+ * (machine), schema created, checked or upgraded (from schema 1 and 2), PRAGMA quick_check
+ * passed, and the message records a crash left in the journal folded. On failure returns
  * -errno (-EIO for a corrupt or foreign file) and writes one sentence for the operator to
  * errbuf, naming the file and what is wrong. Caller frees *out with store_close. */
 int store_open(const char *dir, enum durability durability, struct store **out, char *errbuf,
                size_t errlen);
-void store_close(struct store *s); /* accepts NULL; rolls back an open transaction */
+/* Accepts NULL; rolls back an open transaction and folds every pending record (so that the
+ * next start has nothing to fold). */
+void store_close(struct store *s);
 
 /* Caps the database file at about max_bytes (0 = no cap beyond SQLite's own); a write that
  * would grow it further fails like a full disk, with -ENOSPC. The cap is never below the
@@ -35,9 +39,11 @@ void store_close(struct store *s); /* accepts NULL; rolls back an open transacti
 int store_set_size_limit(struct store *s, uint64_t max_bytes);
 
 /* One transaction per loop turn. store_begin returns 0, -EINVAL (one is open already),
- * -ENOSPC or -EIO. store_commit returns 0, or -ENOSPC (disk full) / -EIO (any other
- * failure) after rolling everything of the transaction back; it also fails, and rolls back,
- * when a write of the transaction failed and the caller went on (-EINVAL outside one). */
+ * -ENOSPC or -EIO. store_commit writes the turn's message records as one journal row and a
+ * step of the fold (a few conversations' segments), then commits; it returns 0, or -ENOSPC
+ * (disk full) / -EIO (any other failure) / -ENOMEM after rolling everything of the
+ * transaction back; it also fails, and rolls back, when a write of the transaction failed
+ * and the caller went on (-EINVAL outside one). */
 int store_begin(struct store *s);
 int store_commit(struct store *s);
 /* Checkpoints the background thread has run since store_open (WAL copied back into the
@@ -51,10 +57,10 @@ bool store_in_transaction(const struct store *s);
  * -EINVAL outside a transaction or for an argument that cannot be stored. After one write
  * failed, the next ones of the same transaction return the same error without writing. */
 
-/* Upserts message m of conversation conv (row key: conversation, sort key of
+/* Stores this version of message m of conversation conv (key: conversation, sort key of
  * ddbitem_sort_key semantics: the id, or for a summary the last summarized id + "~" + id):
  * its message map, version, updated_ms and the version the client's incremental
- * to_messages_map has seen (m->seen[CONSUMER_CLIENT]). */
+ * to_messages_map has seen (m->seen[CONSUMER_CLIENT]). A later version replaces it. */
 int store_put_message(struct store *s, const char *conv, size_t conv_len, const struct message *m);
 /* Upserts the conversation row: updated = c->updated_ms, closed = 0. Needed to create or
  * reopen the row; while it is open, writing only messages is enough, since loading takes
@@ -64,9 +70,10 @@ int store_put_conversation(struct store *s, const struct convo *c);
  * closed_ms below 1 counts as 1, since 0 means open). No-op for an unknown conversation. */
 int store_set_closed(struct store *s, const char *conv, size_t conv_len, int64_t closed_ms);
 /* Records that version of message sk must reach the sink: a spool row (conversation, sk)
- * whose version becomes the larger of the stored one and this one. */
+ * whose version becomes the larger of the stored one and this one; map_bytes (the size of
+ * that version's message map) counts in store_spool_stats. */
 int store_spool_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
-                    uint32_t version, int64_t now_ms);
+                    uint32_t version, size_t map_bytes, int64_t now_ms);
 /* The sink confirmed that version: deletes the spool row if its version <= version, and
  * remembers the confirmed version on the message row. */
 int store_spool_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
@@ -114,8 +121,14 @@ int store_dead_letters(struct store *s, size_t limit, json_t **out);
  * transaction, or in one of its own when none is open. 0, -ENOSPC or -EIO. */
 int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n);
 /* Deletes conversations closed before before_ms that have no spool row, with their
- * messages (dead letters stay). *removed = conversations deleted. Writes like
- * store_dead_letters_retry. */
+ * messages (dead letters stay). *removed = conversations deleted. Outside a transaction
+ * only (-EINVAL inside one): it folds every pending record first, in transactions of its
+ * own, then deletes in one. 0, -ENOSPC or -EIO. */
 int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed);
+
+/* For an idle daemon: folds every pending record (in transactions of its own) and frees the
+ * memory that held them, the commit's buffers and SQLite's page cache. Outside a transaction only (-EINVAL). 0,
+ * or -ENOSPC / -EIO (what is pending stays, and is folded later). */
+int store_idle(struct store *s);
 
 #endif

@@ -34,6 +34,7 @@
 #include <uv.h>
 
 #include "awsconf.h"
+#include "buf.h"
 #include "convo.h"
 #include "ddbclient.h"
 #include "ddbitem.h"
@@ -71,6 +72,15 @@ struct probe {
 	int table_status;
 	bool table_done, finished, closed, failed, timed_out, queries_started;
 };
+
+/* The size of m's map, as the daemon gives it to store_spool_put. */
+static size_t map_len(const struct message *m)
+{
+	struct buf b = {NULL, 0, 0};
+	size_t n = message_write_map(&b, m) == 0 ? b.len : 0;
+	buf_free(&b);
+	return n;
+}
 
 static int64_t wall_ms(void)
 {
@@ -198,7 +208,7 @@ static void write_workload(struct probe *p)
 			free(text);
 			if ((rc = store_put_message(p->store, id, strlen(id), m)) < 0 ||
 			    (rc = store_spool_put(p->store, id, strlen(id), m->id, m->version,
-			                          now)) < 0)
+			                          map_len(m), now)) < 0)
 				die("store write", rc);
 		}
 		if (i == 0 && p->o.big_message) {
@@ -220,7 +230,7 @@ static void write_workload(struct probe *p)
 			snprintf(p->big_sk, sizeof(p->big_sk), "%s", m->id);
 			if ((rc = store_put_message(p->store, id, strlen(id), m)) < 0 ||
 			    (rc = store_spool_put(p->store, id, strlen(id), m->id, m->version,
-			                          now)) < 0)
+			                          map_len(m), now)) < 0)
 				die("store write", rc);
 		}
 		if ((rc = store_put_conversation(p->store, c)) < 0)
@@ -256,7 +266,7 @@ static void update_round(struct probe *p)
 				die(err.message, EINVAL);
 			if ((rc = store_put_message(p->store, c->id, c->id_len, m)) < 0 ||
 			    (rc = store_spool_put(p->store, c->id, c->id_len, m->id, m->version,
-			                          env.now_ms)) < 0)
+			                          map_len(m), env.now_ms)) < 0)
 				die("store write", rc);
 		}
 	}

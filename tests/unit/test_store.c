@@ -5,6 +5,7 @@
 #include "store.h"
 
 #include "ddbitem.h"
+#include "msgrec.h"
 #include "test.h"
 
 #include <errno.h>
@@ -485,7 +486,7 @@ static struct spool_list spool_rows(struct store *s)
 	return l;
 }
 
-/* The confirmed column, read with SQLite directly. */
+/* The confirmed version, read with SQLite directly; -1 when there is none. */
 static int64_t confirmed_of(const char *dir, const char *conv, size_t conv_len, const char *sk)
 {
 	char path[160];
@@ -495,7 +496,7 @@ static int64_t confirmed_of(const char *dir, const char *conv, size_t conv_len, 
 	snprintf(path, sizeof(path), "%s/convod.db", dir);
 	if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
 	    sqlite3_prepare_v2(db,
-	                       "SELECT confirmed FROM messages WHERE conversation = ? AND sk = ?",
+	                       "SELECT version FROM confirmed WHERE conversation = ? AND sk = ?",
 	                       -1, &st, NULL) == SQLITE_OK) {
 		sqlite3_bind_blob(st, 1, conv, (int)conv_len, SQLITE_STATIC);
 		sqlite3_bind_text(st, 2, sk, -1, SQLITE_STATIC);
@@ -543,13 +544,13 @@ static void test_spool(void)
 	sort_key_of(c->log[2], sk2); /* the first summary */
 	CHECK(store_spool_stats(s, &items, &bytes, &oldest) == 0);
 	CHECK(items == 0 && bytes == 0 && oldest == 0);
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 1, T0) == -EINVAL);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 1, 10, T0) == -EINVAL);
 
 	CHECK(store_begin(s) == 0);
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 2, T0 + 10) == 0);
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk2, 1, T0 + 20) == 0);
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 1, T0 + 30) == 0); /* older */
-	CHECK(store_spool_put(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 3, T0 + 40) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 2, map_bytes(c->log[0]), T0 + 10) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk2, 1, map_bytes(c->log[2]), T0 + 20) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 1, 7, T0 + 30) == 0); /* older */
+	CHECK(store_spool_put(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 3, 0, T0 + 40) == 0);
 	CHECK(store_commit(s) == 0);
 	l = spool_rows(s);
 	CHECK(l.n == 3);
@@ -567,7 +568,7 @@ static void test_spool(void)
 
 	/* A newer version raises the row; done with an older version keeps it. */
 	CHECK(store_begin(s) == 0);
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 3, T0 + 50) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 3, map_bytes(c->log[0]), T0 + 50) == 0);
 	CHECK(store_spool_done(s, conv_id, CONV_ID_LEN, sk0, 2) == 0);
 	CHECK(store_commit(s) == 0);
 	l = spool_rows(s);
@@ -588,11 +589,11 @@ static void test_spool(void)
 	CHECK(store_begin(s) == 0);
 	CHECK(store_dead_letter(s, conv_id, CONV_ID_LEN, sk2, 1, "{\"item\":1}",
 	                        "ValidationException: too big", T0 + 60) == 0);
-	CHECK(store_spool_put(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 4, T0 + 61) == 0);
+	CHECK(store_spool_put(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 4, 0, T0 + 61) == 0);
 	/* refused version 3 while 4 waits: the row stays */
 	CHECK(store_dead_letter(s, "other", 5, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 3, NULL, "E2",
 	                        T0 + 62) == 0);
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 4, T0 + 63) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, 4, 1, T0 + 63) == 0);
 	CHECK(store_dead_letter(s, conv_id, CONV_ID_LEN, sk0, 4, NULL, "E3", T0 + 64) == 0);
 	CHECK(store_commit(s) == 0);
 	l = spool_rows(s);
@@ -671,12 +672,12 @@ static void test_sink_seen(void)
 	sort_key_of(c->log[2], sk2);
 	CHECK(store_begin(s) == 0);
 	/* An older version spooled: the current one is still to take. */
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, c->log[0]->version - 1, T0) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk0, c->log[0]->version - 1, 1, T0) == 0);
 	/* Confirmed at its version. */
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk1, c->log[1]->version, T0) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk1, c->log[1]->version, 1, T0) == 0);
 	CHECK(store_spool_done(s, conv_id, CONV_ID_LEN, sk1, c->log[1]->version) == 0);
 	/* Spooled at its version. */
-	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk2, c->log[2]->version, T0) == 0);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk2, c->log[2]->version, 1, T0) == 0);
 	CHECK(store_commit(s) == 0);
 	CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0);
 	if (l) {
@@ -715,7 +716,7 @@ static void test_purge(void)
 	CHECK(store_begin(s) == 0);
 	CHECK(store_set_closed(s, "p-old", 5, 100) == 0);
 	CHECK(store_set_closed(s, "p-spooled", 9, 100) == 0);
-	CHECK(store_spool_put(s, "p-spooled", 9, c[1]->log[1]->id, 1, T0) == 0);
+	CHECK(store_spool_put(s, "p-spooled", 9, c[1]->log[1]->id, 1, 1, T0) == 0);
 	CHECK(store_set_closed(s, "p-recent", 8, 300) == 0);
 	CHECK(store_commit(s) == 0);
 	CHECK(store_purge_closed(s, 200, &removed) == 0 && removed == 1);
@@ -727,11 +728,12 @@ static void test_purge(void)
 		convo_free(l);
 		l = NULL;
 	}
-	/* Once its spool row is done, the second one goes too. */
+	/* Once its spool row is done, the second one goes too; never inside a transaction. */
 	CHECK(store_begin(s) == 0);
 	CHECK(store_spool_done(s, "p-spooled", 9, c[1]->log[1]->id, 1) == 0);
-	CHECK(store_purge_closed(s, 200, &removed) == 0 && removed == 1);
+	CHECK(store_purge_closed(s, 200, &removed) == -EINVAL && removed == 0);
 	CHECK(store_commit(s) == 0);
+	CHECK(store_purge_closed(s, 200, &removed) == 0 && removed == 1);
 	CHECK(store_load_conversation(s, "p-spooled", 9, &l) == -ENOENT);
 	CHECK(store_purge_closed(s, 200, &removed) == 0 && removed == 0);
 	CHECK(store_purge_closed(s, 301, &removed) == 0 && removed == 1);
@@ -765,7 +767,7 @@ static void test_transactions(void)
 	CHECK(store_begin(s) == 0);
 	CHECK(store_begin(s) == -EINVAL);
 	CHECK(put_pending(s, c) == 3);
-	CHECK(store_spool_put(s, "rolled", 6, c->log[0]->id, 1, T0) == 0);
+	CHECK(store_spool_put(s, "rolled", 6, c->log[0]->id, 1, 1, T0) == 0);
 	CHECK(store_load_conversation(s, "rolled", 6, &l) == 0 && l && l->nlog == 3);
 	convo_free(l);
 	l = NULL;
@@ -919,20 +921,149 @@ static int copy_file(const char *from, const char *to, const char *name)
 	return rc;
 }
 
-/* Messages go to the journal and are folded into messages: by a read that needs the
- * table, after a commit once the journal is long, at close, and at the next start after a
- * crash. Reading one conversation merges the journal, newest version first. An older
- * database (schema 1, no journal) is upgraded. */
+/* Rows of segments that name conversation conv; -1 on failure. */
+static int64_t segments_of(const char *dir, const char *conv)
+{
+	char path[160];
+	sqlite3 *db = NULL;
+	sqlite3_stmt *st = NULL;
+	int64_t n = -1;
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
+	    sqlite3_prepare_v2(db, "SELECT count(*) FROM segments WHERE conversation = ?", -1, &st,
+	                       NULL) == SQLITE_OK) {
+		sqlite3_bind_blob(st, 1, conv, (int)strlen(conv), SQLITE_STATIC);
+		if (sqlite3_step(st) == SQLITE_ROW)
+			n = sqlite3_column_int64(st, 0);
+	}
+	sqlite3_finalize(st);
+	sqlite3_close(db);
+	return n;
+}
+
+static uint32_t loaded_version(struct store *s, const char *conv, size_t i)
+{
+	struct convo *l = NULL;
+	uint32_t v = 0;
+	if (store_load_conversation(s, conv, strlen(conv), &l) == 0 && l && i < l->nlog)
+		v = l->log[i]->version;
+	convo_free(l);
+	return v;
+}
+
+/* The schema of convod before 3 (2 has the journal; 1 had none). */
+static const char schema2_sql[] =
+    "CREATE TABLE conversations(id BLOB PRIMARY KEY NOT NULL, updated INTEGER NOT NULL,"
+    " closed INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;"
+    "CREATE TABLE messages(conversation BLOB NOT NULL, sk TEXT NOT NULL,"
+    " version INTEGER NOT NULL, updated INTEGER NOT NULL, client_seen INTEGER NOT NULL,"
+    " confirmed INTEGER NOT NULL DEFAULT 0, map_bytes INTEGER NOT NULL, map TEXT NOT NULL,"
+    " PRIMARY KEY(conversation, sk));"
+    "CREATE TABLE journal(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL,"
+    " sk TEXT NOT NULL, version INTEGER NOT NULL, updated INTEGER NOT NULL,"
+    " client_seen INTEGER NOT NULL, map_bytes INTEGER NOT NULL, map TEXT NOT NULL);"
+    "CREATE TABLE spool(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL, sk TEXT NOT NULL,"
+    " version INTEGER NOT NULL, enqueued INTEGER NOT NULL, UNIQUE(sk, conversation));"
+    "CREATE TABLE dead_letters(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL,"
+    " sk TEXT NOT NULL, version INTEGER NOT NULL, item TEXT, error TEXT NOT NULL,"
+    " at INTEGER NOT NULL);"
+    "PRAGMA application_id=1668183652;";
+
+/* Writes c as convod wrote it with schema `version` (1 or 2): the messages table, and with
+ * 2 the later half of the messages in the journal, message 0 there at its version over an
+ * older one in the table. Message 1 is confirmed, message 2 spooled. */
+static void write_old_store(const char *dir, const struct convo *c, int version)
+{
+	char path[160], pragma[64];
+	sqlite3 *db = NULL;
+	sqlite3_stmt *msg = NULL, *jrn = NULL, *st = NULL;
+
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	CHECK(sqlite3_open(path, &db) == SQLITE_OK);
+	CHECK(sqlite3_exec(db, schema2_sql, NULL, NULL, NULL) == SQLITE_OK);
+	if (version == 1)
+		CHECK(sqlite3_exec(db, "DROP TABLE journal", NULL, NULL, NULL) == SQLITE_OK);
+	snprintf(pragma, sizeof(pragma), "PRAGMA user_version=%d", version);
+	CHECK(sqlite3_exec(db, pragma, NULL, NULL, NULL) == SQLITE_OK);
+	CHECK(sqlite3_prepare_v2(db, "INSERT INTO conversations VALUES(?, ?, 0)", -1, &st,
+	                         NULL) == SQLITE_OK);
+	sqlite3_bind_blob(st, 1, c->id, (int)c->id_len, SQLITE_STATIC);
+	sqlite3_bind_int64(st, 2, c->updated_ms);
+	CHECK(sqlite3_step(st) == SQLITE_DONE);
+	sqlite3_finalize(st);
+	CHECK(sqlite3_prepare_v2(db,
+	                         "INSERT INTO messages(conversation, sk, version, updated,"
+	                         " client_seen, confirmed, map_bytes, map)"
+	                         " VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+	                         -1, &msg, NULL) == SQLITE_OK);
+	if (version == 2)
+		CHECK(sqlite3_prepare_v2(db,
+		                         "INSERT INTO journal(conversation, sk, version, updated,"
+		                         " client_seen, map_bytes, map)"
+		                         " VALUES(?1, ?2, ?3, ?4, ?5, ?7, ?8)",
+		                         -1, &jrn, NULL) == SQLITE_OK);
+	for (size_t i = 0; i < c->nlog; i++) {
+		const struct message *m = c->log[i];
+		json_t *map = message_to_map(m);
+		char *text = json_dumps(map, JSON_COMPACT | JSON_ENCODE_ANY);
+		char sk[DDBITEM_SK_MAX + 1];
+		sort_key_of(m, sk);
+		for (int pass = 0; pass < 2; pass++) {
+			/* pass 0: the table (message 0 one version older when the journal
+			 * has it); pass 1: the journal */
+			bool in_journal = version == 2 && (i >= c->nlog / 2 || i == 0);
+			sqlite3_stmt *w = pass ? jrn : msg;
+			uint32_t v = m->version;
+			if (pass == 1 && !in_journal)
+				continue;
+			if (pass == 0 && in_journal && i != 0)
+				continue;
+			if (pass == 0 && in_journal)
+				v--;
+			sqlite3_bind_blob(w, 1, c->id, (int)c->id_len, SQLITE_STATIC);
+			sqlite3_bind_text(w, 2, sk, -1, SQLITE_STATIC);
+			sqlite3_bind_int64(w, 3, v);
+			sqlite3_bind_int64(w, 4, m->updated_ms);
+			sqlite3_bind_int64(w, 5, m->seen[CONSUMER_CLIENT] > v ? v : m->seen[CONSUMER_CLIENT]);
+			sqlite3_bind_int64(w, 6, i == 1 ? m->version : 0);
+			sqlite3_bind_int64(w, 7, (sqlite3_int64)strlen(text));
+			sqlite3_bind_text(w, 8, text, -1, SQLITE_STATIC);
+			CHECK(sqlite3_step(w) == SQLITE_DONE);
+			sqlite3_reset(w);
+		}
+		if (i == 2) {
+			CHECK(sqlite3_prepare_v2(db, "INSERT INTO spool VALUES(NULL, ?, ?, ?, 5)", -1,
+			                         &st, NULL) == SQLITE_OK);
+			sqlite3_bind_blob(st, 1, c->id, (int)c->id_len, SQLITE_STATIC);
+			sqlite3_bind_text(st, 2, sk, -1, SQLITE_STATIC);
+			sqlite3_bind_int64(st, 3, m->version);
+			CHECK(sqlite3_step(st) == SQLITE_DONE);
+			sqlite3_finalize(st);
+		}
+		free(text);
+		json_decref(map);
+	}
+	sqlite3_finalize(msg);
+	sqlite3_finalize(jrn);
+	sqlite3_close(db);
+}
+
+/* Message records go to one journal row per commit and stay pending in memory; a fold
+ * cycle starts once STORE_FOLD_RECORDS (16384) are pending, writes one segment per
+ * conversation a few conversations after each commit, and deletes its journal rows at its
+ * end. Reads merge segments, pending records and the open transaction's, the newest version
+ * of each message winning. close folds everything; a crash leaves journal rows that the
+ * next start folds. Schema 1 and 2 files are upgraded. */
 static void test_journal(void)
 {
 	char dir[128], sk[DDBITEM_SK_MAX + 1];
 	struct convo_env env;
-	struct convo *c, *big, *l = NULL;
+	struct convo *c, *big, *l = NULL, *old;
 	struct collect k;
 	struct store *s;
 	json_t *map = NULL;
 	uint32_t v = 0;
-	int64_t u, most = 0;
+	int64_t u, most = 0, least_after = INT64_MAX;
 	uint64_t items, bytes;
 	char crash[128];
 
@@ -942,73 +1073,96 @@ static void test_journal(void)
 		return;
 	c = small(&env, "j", 2);
 	CHECK(save(s, c) == 2);
-	CHECK(count_rows(dir, "journal") == 2 && count_rows(dir, "messages") == 0);
+	CHECK(count_rows(dir, "batches") == 1 && count_rows(dir, "segments") == 0);
 	set_metadata(c, &env, 0, "{\"playStart\":1744815823100}", NULL); /* version 2 */
 	CHECK(save(s, c) == 1);
-	CHECK(count_rows(dir, "journal") == 3);
-	/* Merged, not folded: the newest row of message 0 wins. */
+	CHECK(count_rows(dir, "batches") == 2);
+	/* Pending records merged: the newest version of message 0 wins. */
 	CHECK(store_load_conversation(s, "j", 1, &l) == 0 && l);
 	CHECK_SAME(c, l);
 	convo_free(l);
 	l = NULL;
-	CHECK(count_rows(dir, "journal") == 3);
-	/* A read of the messages table folds first. */
 	sort_key_of(c->log[0], sk);
 	CHECK(store_message_get(s, "j", 1, sk, &map, &v, &u) == 0 && v == 2);
 	json_decref(map);
-	CHECK(count_rows(dir, "journal") == 0 && count_rows(dir, "messages") == 2);
-	/* A newer version in the journal over a folded one. */
+	/* Inside a transaction its own records count; a rollback forgets them. */
 	set_metadata(c, &env, 0, NULL, "{\"k\":1}"); /* version 3 */
-	CHECK(save(s, c) == 1);
+	CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
+	CHECK(loaded_version(s, "j", 0) == 3);
+	CHECK(store_message_get(s, "j", 1, sk, &map, &v, &u) == 0 && v == 3);
+	json_decref(map);
+	store_rollback(s);
+	CHECK(loaded_version(s, "j", 0) == 2);
+	CHECK(store_message_get(s, "j", 1, sk, &map, &v, &u) == 0 && v == 2);
+	json_decref(map);
+	forget_store(c);
+	CHECK(save(s, c) == 2);
 	CHECK(store_load_conversation(s, "j", 1, &l) == 0 && l);
 	CHECK_SAME(c, l);
 	convo_free(l);
 	l = NULL;
 	CHECK(store_spool_stats(s, &items, &bytes, &u) == 0 && items == 0);
-	CHECK(count_rows(dir, "journal") == 0);
-	CHECK(store_load_conversation(s, "j", 1, &l) == 0 && l);
-	CHECK_SAME(c, l);
-	convo_free(l);
-	l = NULL;
 
-	/* A long journal is folded after the commit that makes it long: it never holds
-	 * much more than STORE_FOLD_ROWS (8192) rows. */
+	/* 20,000 records in commits of 100: cycles start at 16,384 pending records, so the
+	 * journal never holds much more than two cycles' worth; segments appear, and what is
+	 * read is right at every point. */
 	big = small(&env, "big", 0);
-	for (int t = 0; big && t < 100; t++) {
+	for (int t = 0; big && t < 200; t++) {
 		for (int i = 0; i < 100; i++)
 			CHECK(add1(big, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, "x"));
-		CHECK(save(s, big) == 100);
-		int64_t n = count_rows(dir, "journal");
+		if (t % 7 == 0)
+			set_metadata(big, &env, (size_t)t, NULL, "{\"again\":true}");
+		CHECK(save(s, big) == (t % 7 == 0 && t > 0 ? 101 : 100));
+		int64_t n = count_rows(dir, "batches");
 		if (n > most)
 			most = n;
+		if (t >= 170 && n < least_after)
+			least_after = n;
+		if (t % 50 == 49) {
+			CHECK(store_load_conversation(s, "big", 3, &l) == 0 && l);
+			CHECK_SAME(big, l);
+			convo_free(l);
+			l = NULL;
+		}
 	}
-	CHECK(most >= 8000 && most <= 8192 + 100);
-	CHECK(count_rows(dir, "messages") + count_rows(dir, "journal") == 2 + 10000);
-	CHECK(store_load_conversation(s, "big", 3, &l) == 0 && l);
-	CHECK_SAME(big, l);
-	convo_free(l);
-	l = NULL;
+	printf("journal: at most %" PRId64 " journal rows, %" PRId64 " after the first cycle, %"
+	       PRId64 " segments\n",
+	       most, least_after, count_rows(dir, "segments"));
+	CHECK(most >= 16384 / 101 && most <= 2 * 16384 / 100 + 3);
+	CHECK(least_after < most);
+	CHECK(segments_of(dir, "big") >= 1);
+	sort_key_of(big->log[7], sk); /* changed after it was folded: the newest wins */
+	CHECK(store_message_get(s, "big", 3, sk, &map, &v, &u) == 0 && v == big->log[7]->version);
+	json_decref(map);
+	sort_key_of(big->log[100], sk); /* folded, unchanged since */
+	CHECK(store_message_get(s, "big", 3, sk, &map, &v, &u) == 0 && v == 1);
+	CHECK(same_json(map, message_to_map(big->log[100])));
 	store_close(s); /* folds */
-	CHECK(count_rows(dir, "journal") == 0 && count_rows(dir, "messages") == 10002);
+	CHECK(count_rows(dir, "batches") == 0);
 
 	/* A crash leaves rows in the journal: the next start folds them before loading. The
 	 * crash is the files copied while the store is open, after a commit (no fork: under
 	 * valgrind a child that exits without freeing fails on its leaks). */
 	make_dir(crash, sizeof(crash), "journal-crash");
 	if ((s = open_store(dir))) {
+		CHECK(store_load_conversation(s, "big", 3, &l) == 0 && l);
+		CHECK_SAME(big, l);
+		convo_free(l);
+		l = NULL;
 		set_metadata(c, &env, 1, NULL, "{\"crash\":true}");
 		add1(c, &env, ROLE_USER, "after");
 		CHECK(save(s, c) == 2);
-		CHECK(count_rows(dir, "journal") == 2);
+		CHECK(count_rows(dir, "batches") == 1);
 		CHECK(copy_file(dir, crash, "convod.db") == 0);
 		CHECK(copy_file(dir, crash, "convod.db-wal") == 0);
 		store_close(s);
 	}
-	CHECK(count_rows(crash, "journal") == 2);
+	CHECK(count_rows(crash, "batches") == 1);
 	if ((s = open_store(crash))) {
+		CHECK(count_rows(crash, "batches") == 0);
 		memset(&k, 0, sizeof(k));
-		CHECK(store_load_open(s, collect_cb, &k) == 0 && k.n == 2 && k.messages == 10003);
-		CHECK(count_rows(crash, "journal") == 0);
+		CHECK(store_load_open(s, collect_cb, &k) == 0 && k.n == 2 &&
+		      k.messages == big->nlog + 3);
 		CHECK(store_load_conversation(s, "j", 1, &l) == 0 && l);
 		CHECK(l && l->nlog == 3 && l->log[1]->version == 2);
 		CHECK_SAME(c, l);
@@ -1017,50 +1171,109 @@ static void test_journal(void)
 		store_close(s);
 	}
 
-	/* Schema 1 had no journal: it is added, and the rows are kept. */
-	CHECK(sql(dir, "DROP TABLE journal; PRAGMA user_version=1") == SQLITE_OK);
-	CHECK(count_rows(dir, "journal") == -1);
-	if ((s = open_store(dir))) {
-		CHECK(count_rows(dir, "journal") == 0);
-		CHECK(store_load_conversation(s, "big", 3, &l) == 0 && l);
-		CHECK_SAME(big, l);
-		convo_free(l);
-		store_close(s);
+	/* Schema 2 (the journal merged over the messages table) and 1 are upgraded. */
+	for (int version = 1; version <= 2; version++) {
+		char name[32], sk1[DDBITEM_SK_MAX + 1], sk2[DDBITEM_SK_MAX + 1];
+		snprintf(name, sizeof(name), "schema-%d", version);
+		make_dir(dir, sizeof(dir), name);
+		old = sample(&env);
+		if (!old)
+			continue;
+		write_old_store(dir, old, version);
+		sort_key_of(old->log[1], sk1);
+		sort_key_of(old->log[2], sk2);
+		if ((s = open_store(dir))) {
+			CHECK(count_rows(dir, "messages") == -1 && count_rows(dir, "journal") == -1);
+			CHECK(count_rows(dir, "segments") == 1);
+			CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0 && l);
+			CHECK_SAME(old, l);
+			if (l) {
+				CHECK(l->log[1]->seen[CONSUMER_SINK] == old->log[1]->version);
+				CHECK(l->log[2]->seen[CONSUMER_SINK] == old->log[2]->version);
+				CHECK(l->log[3]->seen[CONSUMER_SINK] == 0);
+			}
+			convo_free(l);
+			l = NULL;
+			CHECK(confirmed_of(dir, conv_id, CONV_ID_LEN, sk1) == old->log[1]->version);
+			CHECK(store_spool_stats(s, &items, &bytes, &u) == 0 && items == 1 &&
+			      bytes == map_bytes(old->log[2]) && u == 5);
+			store_close(s);
+		}
+		convo_free(old);
 	}
 	convo_free(big);
 	convo_free(c);
 }
 
-/* Replaces every "messages" of sql by table (into out). */
-static void on_table(const char *sql_text, const char *table, char *out, size_t size)
+/* Changes the records of conversation conv's segments behind the store's back: kind 0 cuts
+ * the row, 1-5 spoil a field of the first record, 6 drops the next-to-last record (an
+ * assistant message, which breaks the view). */
+static void damage_segment(const char *dir, const char *conv, int kind)
 {
-	size_t n = 0;
-	for (const char *p = sql_text; *p && n + 1 < size;) {
-		if (strncmp(p, "messages", 8) == 0) {
-			n += (size_t)snprintf(out + n, size - n, "%s", table);
-			p += 8;
-		} else {
-			out[n++] = *p++;
-		}
+	char path[160];
+	sqlite3 *db = NULL;
+	sqlite3_stmt *rd = NULL, *wr = NULL;
+	struct buf in = {NULL, 0, 0}, out = {NULL, 0, 0};
+	struct msgrec r[64];
+	size_t n = 0, pos = 0;
+	int64_t seq = 0;
+
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	CHECK(sqlite3_open(path, &db) == SQLITE_OK);
+	CHECK(sqlite3_prepare_v2(db, "SELECT seq, data FROM segments WHERE conversation = ?",
+	                         -1, &rd, NULL) == SQLITE_OK);
+	sqlite3_bind_blob(rd, 1, conv, (int)strlen(conv), SQLITE_STATIC);
+	CHECK(sqlite3_step(rd) == SQLITE_ROW);
+	seq = sqlite3_column_int64(rd, 0);
+	buf_append(&in, sqlite3_column_blob(rd, 1), (size_t)sqlite3_column_bytes(rd, 1));
+	sqlite3_finalize(rd);
+	while (n < 64 && msgrec_next(in.data, in.len, &pos, &r[n]) == 1)
+		n++;
+	CHECK(n >= 3);
+	switch (kind) {
+	case 1:
+		r[0].map = "{\"id\":";
+		r[0].map_len = 6;
+		break;
+	case 2:
+		r[0].map = "{\"id\":\"nope\"}";
+		r[0].map_len = 13;
+		break;
+	case 3:
+		r[0].sk_len--;
+		break;
+	case 4:
+		r[0].client_seen = r[0].version + 1;
+		break;
+	case 5:
+		r[0].version = 0;
+		break;
+	case 6:
+		memmove(&r[n - 2], &r[n - 1], sizeof(r[0]));
+		n--;
+		break;
 	}
-	out[n < size ? n : size - 1] = 0;
+	for (size_t i = 0; i < n; i++)
+		CHECK(msgrec_append(&out, &r[i]) == 0);
+	if (kind == 0)
+		out.len -= 3;
+	CHECK(sqlite3_prepare_v2(db, "UPDATE segments SET data = ? WHERE seq = ?", -1, &wr, NULL) ==
+	      SQLITE_OK);
+	sqlite3_bind_blob(wr, 1, out.data, (int)out.len, SQLITE_STATIC);
+	sqlite3_bind_int64(wr, 2, seq);
+	CHECK(sqlite3_step(wr) == SQLITE_DONE);
+	sqlite3_finalize(wr);
+	sqlite3_close(db);
+	buf_free(&in);
+	buf_free(&out);
 }
 
-/* Rows changed behind the store's back, in the messages table (after a fold) or still in
- * the journal: the reads fail with -EIO, nothing crashes. */
+/* Records changed behind the store's back: the reads fail with -EIO, nothing crashes. A
+ * journal row damaged in the middle costs its records from there on, and the start goes
+ * on. */
 static void test_bad_rows(void)
 {
-	static const char *const damage[] = {
-	    "UPDATE messages SET map = '{\"id\":' WHERE sk = (SELECT min(sk) FROM messages)",
-	    "UPDATE messages SET map = '{\"id\":\"nope\"}' WHERE sk = (SELECT min(sk) FROM "
-	    "messages)",
-	    "UPDATE messages SET sk = sk || 'x' WHERE sk = (SELECT min(sk) FROM messages)",
-	    "UPDATE messages SET client_seen = version + 1",
-	    "UPDATE messages SET version = 0",
-	    "DELETE FROM messages WHERE sk = (SELECT max(sk) FROM messages WHERE sk < "
-	    "(SELECT max(sk) FROM messages))", /* an assistant message: the view breaks */
-	};
-	char dir[128], sk[DDBITEM_SK_MAX + 1], text[512];
+	char dir[128], sk[DDBITEM_SK_MAX + 1];
 	struct convo_env env;
 	struct convo *c = NULL, *l = NULL;
 	struct collect k;
@@ -1070,32 +1283,54 @@ static void test_bad_rows(void)
 	int64_t u;
 
 	env_init(&env, T0);
-	for (size_t i = 0; i < 2 * sizeof(damage) / sizeof(damage[0]); i++) {
-		bool journal = i % 2;
+	for (int kind = 0; kind <= 6; kind++) {
 		char name[32];
-		snprintf(name, sizeof(name), "bad-row-%zu", i);
+		snprintf(name, sizeof(name), "bad-row-%d", kind);
 		make_dir(dir, sizeof(dir), name);
 		if (!(s = open_store(dir)))
 			continue;
 		c = small(&env, "victim", 4);
 		CHECK(save(s, c) == 4);
-		if (!journal) {
-			store_close(s); /* folds the journal into messages */
-			if (!(s = open_store(dir))) {
-				convo_free(c);
-				continue;
-			}
+		store_close(s); /* folds the records into a segment */
+		damage_segment(dir, "victim", kind);
+		if (!(s = open_store(dir))) {
+			convo_free(c);
+			continue;
 		}
-		on_table(damage[i / 2], journal ? "journal" : "messages", text, sizeof(text));
-		CHECK(sql(dir, text) == SQLITE_OK);
 		CHECK(store_load_conversation(s, "victim", 6, &l) == -EIO && !l);
 		memset(&k, 0, sizeof(k));
 		CHECK(store_load_open(s, collect_cb, &k) == -EIO && k.n == 0);
-		if (i / 2 == 0) {
+		if (kind == 1) {
 			sort_key_of(c->log[0], sk);
 			CHECK(store_message_get(s, "victim", 6, sk, &map, &v, &u) == -EIO && !map);
 		}
 		store_close(s);
+		convo_free(c);
+	}
+
+	/* A journal row cut in its second record: the first one is kept. */
+	make_dir(dir, sizeof(dir), "bad-journal");
+	if ((s = open_store(dir))) {
+		char crash[128];
+		c = small(&env, "cut", 2);
+		CHECK(save(s, c) == 2);
+		make_dir(crash, sizeof(crash), "bad-journal-crash");
+		CHECK(copy_file(dir, crash, "convod.db") == 0);
+		CHECK(copy_file(dir, crash, "convod.db-wal") == 0);
+		store_close(s);
+		CHECK(sql(crash, "UPDATE batches SET data = substr(data, 1, length(data) - 10)") ==
+		      SQLITE_OK);
+		capture_begin();
+		s = open_store(crash);
+		char *log = capture_end();
+		CHECK(s != NULL);
+		CHECK(log && strstr(log, "damaged after 1 records"));
+		free(log);
+		if (s) {
+			CHECK(store_load_conversation(s, "cut", 3, &l) == 0 && l && l->nlog == 1);
+			convo_free(l);
+			store_close(s);
+		}
 		convo_free(c);
 	}
 }
@@ -1139,7 +1374,7 @@ static void test_unwritable(void)
 
 static void test_disk_full(void)
 {
-	char dir[128], big[8192];
+	char dir[128], big[8193];
 	struct convo_env env;
 	struct convo *c, *l = NULL;
 	struct store *s;
@@ -1147,7 +1382,9 @@ static void test_disk_full(void)
 	size_t len = sizeof(big), nlog;
 	int rc = 0;
 
-	memset(big, 'x', sizeof(big));
+	memset(big, 'x', sizeof(big) - 1);
+	big[sizeof(big) - 1] = 0;
+	len = sizeof(big) - 1;
 	env_init(&env, T0);
 	make_dir(dir, sizeof(dir), "full");
 	if (!(s = open_store(dir)))
@@ -1156,7 +1393,7 @@ static void test_disk_full(void)
 	CHECK(save(s, c) == 2);
 	CHECK(store_set_size_limit(s, 1) == 0); /* no growth beyond the current size */
 
-	/* A write that does not fit fails with -ENOSPC, and the ones after it too. */
+	/* Messages that do not fit fail the commit with -ENOSPC, rolled back. */
 	CHECK(store_begin(s) == 0);
 	for (int i = 0; i < 64 && !rc; i++) {
 		struct message *m = add_n(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, &p, &len, 1);
@@ -1164,16 +1401,26 @@ static void test_disk_full(void)
 		if (m)
 			rc = store_put_message(s, "full", 4, m);
 	}
+	CHECK(rc == 0);
+	CHECK(store_commit(s) == -ENOSPC);
+	CHECK(store_load_conversation(s, "full", 4, &l) == 0 && l && l->nlog == 2);
+	convo_free(l);
+	l = NULL;
+	/* A row that does not fit fails at once, and so do the writes after it. */
+	CHECK(store_begin(s) == 0);
+	for (int i = 0; i < 64 && !rc; i++)
+		rc = store_dead_letter(s, "full", 4, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 1, big, "E", T0);
 	CHECK(rc == -ENOSPC);
 	CHECK(store_put_conversation(s, c) == -ENOSPC);
+	CHECK(store_put_message(s, "full", 4, c->log[0]) == -ENOSPC);
 	CHECK(store_commit(s) == -ENOSPC); /* and rolled back */
 	CHECK(store_load_conversation(s, "full", 4, &l) == 0 && l && l->nlog == 2);
 	convo_free(l);
 	l = NULL;
 	CHECK(store_begin(s) == 0); /* the transaction is over */
 	rc = (int)put_pending(s, c);
-	CHECK(rc == -ENOSPC);
-	store_rollback(s);
+	CHECK(rc > 0);
+	CHECK(store_commit(s) == -ENOSPC);
 
 	/* Room again: the same writes go through. */
 	CHECK(store_set_size_limit(s, 0) == 0);
@@ -1258,7 +1505,7 @@ static void test_bench(void)
 				rc = store_put_conversation(s, c[i]);
 			if (!rc)
 				rc = store_spool_put(s, c[i]->id, c[i]->id_len, m->id, m->version,
-				                     T0);
+				                     100, T0);
 		}
 		rc = rc ? (store_rollback(s), rc) : store_commit(s);
 	}
@@ -1274,7 +1521,7 @@ static void test_bench(void)
 		CHECK(store_checkpoints(s) > 0);
 		CHECK(stat(wal, &st) == 0);
 		printf("store bench: the WAL ended at %lld bytes\n", (long long)st.st_size);
-		/* STORE_WAL_HARD_PAGES, plus the commit that crossed it (at most a fold) */
+		/* STORE_WAL_HARD_PAGES, plus the commit that crossed it */
 		CHECK(st.st_size < (off_t)10000 * (4096 + 24));
 	}
 	printf("store bench: %ld messages in %ld transactions of %d (durability process): "
