@@ -56,11 +56,6 @@ int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *st
 	return 0;
 }
 
-static void marks_clear(struct dispatch *d)
-{
-	d->nmarks = 0;
-}
-
 static void spooled_clear(struct dispatch *d)
 {
 	for (size_t i = 0; i < d->nspooled; i++)
@@ -68,13 +63,20 @@ static void spooled_clear(struct dispatch *d)
 	d->nspooled = 0;
 }
 
+static void closing_clear(struct dispatch *d)
+{
+	for (size_t i = 0; i < d->nclosing; i++)
+		free(d->closing[i].conv);
+	d->nclosing = 0;
+}
+
 void dispatch_free(struct dispatch *d)
 {
 	buf_free(&d->scratch);
-	marks_clear(d);
-	free(d->marks);
 	spooled_clear(d);
 	free(d->spooled);
+	closing_clear(d);
+	free(d->closing);
 	registry_free(&d->reg);
 }
 
@@ -205,6 +207,7 @@ static void spool_take_cb(void *arg, const struct message *m, size_t index)
 	e->conv_len = t->c->id_len;
 	e->version = m->version;
 	e->at_ms = t->now_ms;
+	e->seq = 0; /* this turn's: set when it is submitted */
 	d->scratch.len = 0;
 	if (message_write_map(&d->scratch, m) < 0) {
 		free(e->conv);
@@ -253,30 +256,63 @@ static void loaded_from_store(struct dispatch *d, struct convo *c)
 	c->scan_from[CONSUMER_SINK] = c->nlog;
 }
 
-/* After a failed commit: the store holds the state before the turn; make memory match. */
-static void revert_to_store(struct dispatch *d)
-{
-	struct convo *c, *next, *keep = NULL;
+struct revert_ctx {
+	uint64_t after;
+	struct convo **v;
+	size_t n, cap;
+	bool nomem;
+};
 
-	for (c = d->store_dirty; c; c = next) {
-		struct convo *fresh = NULL;
+static void revert_collect(void *arg, struct convo *c)
+{
+	struct revert_ctx *r = arg;
+	if (!(c->daemon_flags & FLAG_STORE_DIRTY) && c->daemon_store_seq <= r->after)
+		return;
+	if (r->n == r->cap) {
+		size_t ncap = r->cap ? 2 * r->cap : 64;
+		struct convo **p = realloc(r->v, ncap * sizeof(*p));
+		if (!p) {
+			r->nomem = true;
+			return;
+		}
+		r->v = p;
+		r->cap = ncap;
+	}
+	r->v[r->n++] = c;
+}
+
+/* After a failed commit: the store holds everything up to the transaction committed last
+ * (after); every conversation changed since (in a transaction submitted later, or in the
+ * open one) is made to match it again. */
+static void revert_to_store(struct dispatch *d, uint64_t after)
+{
+	struct revert_ctx r = {after, NULL, 0, 0, false};
+	struct convo *keep = NULL;
+
+	registry_each(&d->reg, revert_collect, &r);
+	if (r.nomem)
+		log_msg(LOG_ERROR, "store", "out of memory reverting conversations after a failed "
+		        "commit; some keep changes the store does not hold");
+	d->store_dirty = NULL;
+	for (size_t i = 0; i < r.n; i++) {
+		struct convo *c = r.v[i], *fresh = NULL;
 		int rc;
 
-		next = c->daemon_next_store;
 		c->daemon_flags &= ~(unsigned int)FLAG_STORE_DIRTY;
 		c->daemon_next_store = NULL;
 		rc = store_load_conversation(d->store, c->id, c->id_len, &fresh);
 		if (rc == 0)
 			loaded_from_store(d, fresh);
 		if (rc == -ENOENT) {
-			drop_conversation(d, c); /* created in the failed turn */
+			drop_conversation(d, c); /* created after the last commit */
 			continue;
 		}
 		if (rc < 0) {
 			/* Cannot read it back either: keep memory, write it all again next time. */
-			for (size_t i = 0; i < c->nlog; i++)
-				c->log[i]->seen[CONSUMER_STORE] = 0;
+			for (size_t k = 0; k < c->nlog; k++)
+				c->log[k]->seen[CONSUMER_STORE] = 0;
 			c->scan_from[CONSUMER_STORE] = 0;
+			c->daemon_flags &= ~(unsigned int)FLAG_ROW_OPEN;
 			c->daemon_next_store = keep;
 			c->daemon_flags |= FLAG_STORE_DIRTY;
 			keep = c;
@@ -291,7 +327,10 @@ static void revert_to_store(struct dispatch *d)
 		if (sink_has_pending(fresh))
 			mark_sink_dirty(d, fresh);
 	}
+	free(r.v);
 	d->store_dirty = keep;
+	if (keep)
+		d->changed = true;
 }
 
 /* Copies the "id":ID, member that opens an answer written by answer_open, if any: the
@@ -313,65 +352,102 @@ static void answer_copy_id(struct buf *to, const char *answer, size_t len)
 	}
 }
 
-/* Rewrites the turn's dependent ok answers as `unavailable`, buffer by buffer. */
-static void fail_marked_answers(struct dispatch *d, const char *why)
+void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len)
 {
-	for (size_t i = 0; i < d->nmarks; i++) {
-		struct buf *out = d->marks[i].out, fresh = {NULL, 0, 0};
-		size_t pos = 0;
+	struct error err;
+	json_t *e;
 
-		if (!out)
-			continue;
-		for (size_t j = i; j < d->nmarks; j++) {
-			struct answer_mark *m = &d->marks[j];
-			struct error err;
-			if (m->out != out)
-				continue;
-			m->out = NULL;
-			if (m->end > out->len || m->start < pos)
-				continue; /* the connection went away */
-			buf_append(&fresh, out->data + pos, m->start - pos);
-			error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later",
-			          why);
-			d->stats.errors_total++;
-			d->stats.errors_by_code[ERR_UNAVAILABLE]++;
-			{
-				/* The same envelope as answer_error, without counting a request. */
-				json_t *e = json_pack("{s:s, s:s}", "code", "unavailable",
-				                      "message", err.message);
-				buf_append(&fresh, "{", 1);
-				answer_copy_id(&fresh, out->data + m->start, m->end - m->start);
-				buf_append(&fresh, "\"ok\":false,\"error\":", 19);
-				buf_append_json(&fresh, e);
-				buf_append(&fresh, "}\n", 2);
-				json_decref(e);
-			}
-			pos = m->end;
-		}
-		buf_append(&fresh, out->data + pos, out->len - pos);
-		buf_free(out);
-		*out = fresh;
-	}
+	error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later",
+	          d->fail_why ? d->fail_why : "the local store cannot be written");
+	d->stats.errors_total++;
+	d->stats.errors_by_code[ERR_UNAVAILABLE]++;
+	/* The same envelope as answer_error, without counting a request. */
+	e = json_pack("{s:s, s:s}", "code", "unavailable", "message", err.message);
+	buf_append(to, "{", 1);
+	answer_copy_id(to, answer, len);
+	buf_append(to, "\"ok\":false,\"error\":", 19);
+	buf_append_json(to, e);
+	buf_append(to, "}\n", 2);
+	json_decref(e);
 }
 
 static int spool_one(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
                      int64_t enqueued_ms);
 
-void dispatch_commit(struct dispatch *d, bool force)
+/* A commit failed (rc): put memory back as the store holds it, void what was taken after
+ * it, and tell the server (d->failures). */
+static void commit_failed(struct dispatch *d, int rc)
+{
+	struct store_progress p;
+	size_t k = 0;
+
+	d->fail_why = rc == -ENOSPC ? "the local store is full (disk full)"
+	                            : "the local store cannot be written";
+	if (!d->store_failing)
+		log_msg(LOG_ERROR, "store", "commit failed: %s (%s); answering unavailable",
+		        d->fail_why, strerror(-rc));
+	d->store_failing = true;
+	d->failures++;
+	d->tx_error = 0;
+	store_rollback(d->store);
+	store_progress(d->store, &p);
+	revert_to_store(d, p.committed);
+	for (size_t i = 0; i < d->nspooled; i++) {
+		if (d->spooled[i].seq && d->spooled[i].seq <= p.committed)
+			d->spooled[k++] = d->spooled[i];
+		else
+			free(d->spooled[i].conv);
+	}
+	d->nspooled = k;
+	k = 0;
+	for (size_t i = 0; i < d->nclosing; i++) {
+		if (d->closing[i].seq <= p.committed)
+			d->closing[k++] = d->closing[i];
+		else
+			free(d->closing[i].conv);
+	}
+	d->nclosing = k;
+	d->committed = d->submitted = p.committed;
+	store_failure_ack(d->store);
+}
+
+/* Remembers that c was closed in transaction seq: it leaves memory once that is written
+ * and the sink confirmed everything of it. */
+static void closing_add(struct dispatch *d, struct convo *c, uint64_t seq)
+{
+	struct closing *e;
+
+	if (d->nclosing == d->capclosing) {
+		size_t ncap = d->capclosing ? 2 * d->capclosing : 16;
+		struct closing *p = realloc(d->closing, ncap * sizeof(*p));
+		if (!p)
+			return; /* it stays in memory, closed; a later request reopens it */
+		d->closing = p;
+		d->capclosing = ncap;
+	}
+	e = &d->closing[d->nclosing];
+	if (!(e->conv = malloc(c->id_len ? c->id_len : 1)))
+		return;
+	memcpy(e->conv, c->id, c->id_len);
+	e->conv_len = c->id_len;
+	e->seq = seq;
+	d->nclosing++;
+}
+
+enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
 {
 	struct convo *c, *next;
+	uint64_t seq = 0;
 	int rc = 0;
 
 	if (!d->store) {
-		marks_clear(d);
 		d->changed = false;
-		return;
+		return DISPATCH_COMMIT_NONE;
 	}
 	if (d->cfg->durability == DURABILITY_NONE && !force && !d->tx_error) {
 		/* Answers go out now; the flush timer writes and commits. */
-		marks_clear(d);
 		d->changed = false;
-		return;
+		return DISPATCH_COMMIT_NONE;
 	}
 	if (d->changed || d->store_dirty)
 		ensure_tx(d);
@@ -388,61 +464,111 @@ void dispatch_commit(struct dispatch *d, bool force)
 			d->tx_error = rc;
 	}
 	d->changed = false;
-	if (!store_in_transaction(d->store) && !d->tx_error) {
-		marks_clear(d);
-		return;
-	}
-	if (d->tx_error) {
-		rc = d->tx_error;
-		store_rollback(d->store);
-	} else {
-		rc = store_commit(d->store);
-	}
-	d->tx_error = 0;
+	if (!store_in_transaction(d->store) && !d->tx_error)
+		return DISPATCH_COMMIT_NONE;
+	rc = d->tx_error;
+	if (!rc)
+		rc = store_submit(d->store, &seq);
 	if (rc < 0) {
-		const char *why = rc == -ENOSPC ? "the local store is full (disk full)"
-		                                : "the local store cannot be written";
-		if (!d->store_failing)
-			log_msg(LOG_ERROR, "store", "commit failed: %s (%s); answering unavailable",
-			        why, strerror(-rc));
-		d->store_failing = true;
-		fail_marked_answers(d, why);
-		marks_clear(d);
-		spooled_clear(d);
-		revert_to_store(d);
-		return;
+		/* Nothing of this turn reached the writer: let it finish what it has, so that
+		 * the store holds everything before this turn, then undo the turn. */
+		store_rollback(d->store);
+		store_sync(d->store);
+		commit_failed(d, rc);
+		return DISPATCH_COMMIT_FAILED;
 	}
-	d->commits++;
-	if (d->store_failing)
-		log_msg(LOG_INFO, "store", "commits succeed again");
-	d->store_failing = false;
-	marks_clear(d);
-	for (size_t i = 0; i < d->nspooled; i++) {
-		struct spool_entry *e = &d->spooled[i];
-		if (sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version, e->at_ms) < 0)
-			log_msg(LOG_ERROR, "sink",
-			        "out of memory queueing a write; it stays in the spool");
-	}
-	spooled_clear(d);
-	if (d->requeue_spool) {
-		d->requeue_spool = false;
-		if (store_spool_each(d->store, spool_one, d) < 0)
-			log_msg(LOG_ERROR, "store", "cannot read the spool back after a retry");
-	}
+	d->submitted = seq;
+	for (size_t i = 0; i < d->nspooled; i++)
+		if (!d->spooled[i].seq)
+			d->spooled[i].seq = seq;
+	for (c = d->store_dirty; c; c = c->daemon_next_store)
+		c->daemon_store_seq = seq;
 	for (c = d->store_dirty, d->store_dirty = NULL; c; c = next) {
 		next = c->daemon_next_store;
 		c->daemon_next_store = NULL;
 		c->daemon_flags &= ~(unsigned int)(FLAG_STORE_DIRTY | FLAG_FROM_REMOTE);
-		if (c->daemon_flags & FLAG_CLOSING)
+		if (c->daemon_flags & FLAG_CLOSING) {
 			c->daemon_flags &= ~(unsigned int)FLAG_ROW_OPEN;
-		else
+			closing_add(d, c, seq);
+		} else {
 			c->daemon_flags |= FLAG_ROW_OPEN;
-		if ((c->daemon_flags & FLAG_CLOSING) &&
+		}
+	}
+	/* Written already when the loop wrote it itself (durability process). */
+	dispatch_progress(d);
+	return DISPATCH_COMMIT_SUBMITTED;
+}
+
+uint64_t dispatch_hold(const struct dispatch *d)
+{
+	if (!d->store || d->cfg->durability == DURABILITY_NONE || d->submitted <= d->committed)
+		return 0;
+	return d->submitted;
+}
+
+bool dispatch_progress(struct dispatch *d)
+{
+	struct store_progress p;
+	size_t k = 0;
+
+	if (!d->store)
+		return true;
+	store_progress(d->store, &p);
+	if (p.failed) {
+		commit_failed(d, p.error);
+		return false;
+	}
+	if (p.committed <= d->committed)
+		return true;
+	d->committed = p.committed;
+	d->commits++;
+	if (d->store_failing)
+		log_msg(LOG_INFO, "store", "commits succeed again");
+	d->store_failing = false;
+	/* Spool rows written now: the sink may send them. */
+	for (size_t i = 0; i < d->nspooled; i++) {
+		struct spool_entry *e = &d->spooled[i];
+		if (!e->seq || e->seq > d->committed) {
+			d->spooled[k++] = *e;
+			continue;
+		}
+		if (sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version, e->at_ms) < 0)
+			log_msg(LOG_ERROR, "sink",
+			        "out of memory queueing a write; it stays in the spool");
+		free(e->conv);
+	}
+	d->nspooled = k;
+	/* Closed conversations whose close is written leave memory, once the sink is done. */
+	k = 0;
+	for (size_t i = 0; i < d->nclosing; i++) {
+		struct closing *e = &d->closing[i];
+		struct convo *c;
+		if (e->seq > d->committed) {
+			d->closing[k++] = *e;
+			continue;
+		}
+		c = registry_get(&d->reg, e->conv, e->conv_len);
+		if (c && (c->daemon_flags & FLAG_CLOSING) && c->daemon_store_seq <= d->committed &&
+		    !(c->daemon_flags & FLAG_STORE_DIRTY) &&
 		    (!d->remote || sink_pending(d->sink, c->id, c->id_len) == 0))
 			drop_conversation(d, c);
+		free(e->conv);
 	}
+	d->nclosing = k;
 	if (d->sink)
 		sink_kick(d->sink);
+	return true;
+}
+
+int dispatch_sync(struct dispatch *d)
+{
+	int rc;
+
+	if (!d->store)
+		return 0;
+	rc = store_sync(d->store);
+	dispatch_progress(d);
+	return rc;
 }
 
 bool dispatch_pending_commit(const struct dispatch *d)
@@ -458,7 +584,7 @@ void dispatch_settled(void *arg, const char *conv, size_t conv_len)
 	struct convo *c = registry_get(&d->reg, conv, conv_len);
 
 	if (c && (c->daemon_flags & FLAG_CLOSING) && !(c->daemon_flags & FLAG_STORE_DIRTY) &&
-	    !sink_has_pending(c))
+	    c->daemon_store_seq <= d->committed && !sink_has_pending(c))
 		drop_conversation(d, c);
 }
 
@@ -546,26 +672,12 @@ int dispatch_restore(struct dispatch *d)
 	return 0;
 }
 
-/* Records an ok answer at out[start..] that the commit must confirm. */
-static void mark_answer(struct dispatch *d, struct buf *out, size_t start, enum op op)
+/* The answer just written is an ok answer that the commit must confirm (it is turned into
+ * `unavailable` if the commit fails): the server reads d->answer_dependent. */
+static void mark_answer(struct dispatch *d)
 {
-	if (!d->store || d->cfg->durability == DURABILITY_NONE)
-		return;
-	if (d->nmarks == d->capmarks) {
-		size_t ncap = d->capmarks ? 2 * d->capmarks : 64;
-		struct answer_mark *p = realloc(d->marks, ncap * sizeof(*p));
-		if (!p) {
-			d->tx_error = -ENOMEM; /* cannot track it: fail the turn safely */
-			return;
-		}
-		d->marks = p;
-		d->capmarks = ncap;
-	}
-	d->marks[d->nmarks].out = out;
-	d->marks[d->nmarks].start = start;
-	d->marks[d->nmarks].end = out->len;
-	d->marks[d->nmarks].op = (int)op;
-	d->nmarks++;
+	if (d->store && d->cfg->durability != DURABILITY_NONE)
+		d->answer_dependent = true;
 }
 
 /* Makes msg valid UTF-8 in place: a message may quote request bytes, or be cut by the
@@ -715,7 +827,7 @@ static void answer_count(struct dispatch *d, struct buf *out, size_t start, enum
 	if (k > 0 && (size_t)k < sizeof(tail))
 		buf_append(out, tail, (size_t)k);
 	stats_request(&d->stats, op, ERR_OK);
-	mark_answer(d, out, start, op);
+	mark_answer(d);
 }
 
 void dispatch_too_large_line(struct dispatch *d, struct buf *out)
@@ -1268,7 +1380,7 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 		if (changed) {
 			mark_store_dirty(d, c);
 			mark_sink_dirty(d, c);
-			mark_answer(d, out, ec.start, op);
+			mark_answer(d);
 		}
 	}
 	*res = DISPATCH_DONE;
@@ -1391,7 +1503,11 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (answer_open(out, id) < 0)
 			goto oom;
 		if (d->store) {
-			int rc = ensure_tx(d);
+			int rc = 0;
+			/* The turn so far first (a transaction of its own), then the retry,
+			 * waited for: the count is what it moved. */
+			if (dispatch_commit(d, true) == DISPATCH_COMMIT_FAILED)
+				rc = -EIO;
 			if (rc == 0)
 				rc = store_dead_letters_retry(d->store, dispatch_now_ms(), &n);
 			if (rc < 0) {
@@ -1400,12 +1516,9 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 				          "the local store cannot be written; retry later");
 				goto fail;
 			}
-			if (n && d->remote) {
-				/* The rows are back in the spool: hand them to the sink after the
-				 * commit. */
-				d->requeue_spool = true;
-			}
-			d->changed = true;
+			/* The rows are back in the spool: the sink may send them now. */
+			if (n && d->remote && store_spool_each(d->store, spool_one, d) < 0)
+				log_msg(LOG_ERROR, "store", "cannot read the spool back after a retry");
 		}
 		answer_count(d, out, start, op, "retried", n);
 		json_decref(req);
@@ -1552,7 +1665,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (changed) {
 			mark_store_dirty(d, c);
 			mark_sink_dirty(d, c);
-			mark_answer(d, out, ec.start, op);
+			mark_answer(d);
 		}
 	}
 	json_decref(req);
@@ -1583,7 +1696,10 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 {
 	enum op op = OP_UNKNOWN;
 	uint64_t t0 = mono_ns();
-	enum dispatch_result r = dispatch_one(d, line, len, out, waiter, remote, &op);
+	enum dispatch_result r;
+
+	d->answer_dependent = false;
+	r = dispatch_one(d, line, len, out, waiter, remote, &op);
 
 	d->stats.time_ns_by_op[op] += mono_ns() - t0;
 	return r;

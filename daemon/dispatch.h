@@ -18,21 +18,21 @@
 #include "store.h"
 #include "ulid.h"
 
-/* An ok answer of this turn that depends on the commit: turned into `unavailable` when the
- * commit fails. */
-struct answer_mark {
-	struct buf *out;
-	size_t start, end; /* the answer, whose head echoes the request's id */
-	int op;
-};
-
-/* A spool row written in this turn's transaction, handed to the sink once it commits. */
+/* A spool row written in a transaction, handed to the sink once it is committed. */
 struct spool_entry {
 	char *conv; /* owned */
 	size_t conv_len;
 	char sk[MESSAGE_SK_MAX + 1];
 	uint32_t version;
 	int64_t at_ms;
+	uint64_t seq; /* its transaction; 0 while the turn's is open */
+};
+
+/* A conversation closed in transaction seq: it leaves memory once that is written. */
+struct closing {
+	char *conv; /* owned */
+	size_t conv_len;
+	uint64_t seq;
 };
 
 /* How a request may look for a conversation the daemon does not hold in DynamoDB. */
@@ -69,13 +69,17 @@ struct dispatch {
 	int tx_error;             /* a store write of this turn failed: the commit must fail */
 	struct convo *store_dirty; /* changed since the last successful commit */
 	struct convo *sink_dirty;  /* with messages the flusher has not taken (remote only) */
-	struct answer_mark *marks;
-	size_t nmarks, capmarks;
 	struct spool_entry *spooled;
 	size_t nspooled, capspooled;
+	struct closing *closing;
+	size_t nclosing, capclosing;
+	uint64_t submitted;       /* the last transaction handed to the store's writer */
+	uint64_t committed;       /* the last one written (answers up to it may go out) */
+	uint64_t failures;        /* commits failed so far (the server compares) */
+	const char *fail_why;     /* the last failure, for the answers it turns into errors */
+	bool answer_dependent;    /* the answer dispatch_line wrote depends on the commit */
 	bool store_failing;       /* the last commit failed (logged once until it recovers) */
 	struct restore_wait *restores; /* restores from DynamoDB (and create_table) in progress */
-	bool requeue_spool;       /* dead letters went back to the spool: re-read it after commit */
 	dispatch_ready_cb on_ready;
 	struct buf scratch;       /* decoded request strings of the fast path */
 	bool no_fast_path;        /* read every request with jansson (tests compare both) */
@@ -92,7 +96,8 @@ void dispatch_free(struct dispatch *d);
  * 0 or -errno after logging. */
 int dispatch_restore(struct dispatch *d);
 
-/* Answers one request line (without its terminator) into out. Blank lines produce no
+/* Answers one request line (without its terminator) into out, and sets d->answer_dependent
+ * when the answer depends on the turn's commit. Blank lines produce no
  * answer. Never fails: an allocation failure becomes an `internal` answer. With DynamoDB
  * configured, a request naming a conversation that neither memory nor the local store
  * holds returns DISPATCH_WAIT (remote = DISPATCH_REMOTE_CHECK) while it is looked up;
@@ -106,14 +111,39 @@ void dispatch_cancel_wait(struct dispatch *d, void *waiter);
 /* Answers a line that went over --max-line-bytes. */
 void dispatch_too_large_line(struct dispatch *d, struct buf *out);
 
-/* The group commit: writes what changed this turn to the store and commits (with
- * durability none only when force is set: the flush timer). On failure every answer of the
- * turn that depended on it becomes `unavailable` and the touched conversations are reloaded
- * from the store, so nothing is half written. Then hands new spool rows to the sink. */
-void dispatch_commit(struct dispatch *d, bool force);
+/* The group commit: hands what changed this turn to the store's writer (with durability
+ * none only when force is set: the flush timer), and returns at once. The answers written
+ * since the last call wait for it (dispatch_hold) and go out once dispatch_progress says it
+ * is written. DISPATCH_COMMIT_FAILED: the turn could not be handed over (out of memory):
+ * it is undone, as after a failed commit (dispatch_progress), at once. */
+enum dispatch_commit_result {
+	DISPATCH_COMMIT_NONE = 0,  /* nothing to write */
+	DISPATCH_COMMIT_SUBMITTED, /* handed over */
+	DISPATCH_COMMIT_FAILED,    /* d->failures grew: see dispatch_progress */
+};
+enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force);
 
 /* True when the turn has something for dispatch_commit (the server skips it otherwise). */
 bool dispatch_pending_commit(const struct dispatch *d);
+
+/* The transaction that answers written now must wait for: the last one submitted while it
+ * is not written, else 0 (they may go out at once). */
+uint64_t dispatch_hold(const struct dispatch *d);
+
+/* After the store's writer woke the loop: takes what it finished (d->committed; spool rows
+ * go to the sink, closed conversations leave memory). Returns false after a failed commit,
+ * having put memory back as the store holds it (every transaction after the last one written
+ * is void, the open one too) and counted it in d->failures: every answer that depends on a
+ * transaction after d->committed must then become `unavailable` (dispatch_fail_answer). */
+bool dispatch_progress(struct dispatch *d);
+
+/* Waits until the writer has written everything submitted, then dispatch_progress. 0 or the
+ * store's error. For the stop, before the sink drains. */
+int dispatch_sync(struct dispatch *d);
+
+/* Appends to `to` the `unavailable` answer that replaces the ok answer answer[0..len) after
+ * a failed commit (the request's id kept). */
+void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len);
 
 /* The flush timer: takes each conversation's new messages into the spool (the last one too
  * once the conversation is idle, or when all is set), commits, and purges closed

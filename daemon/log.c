@@ -3,6 +3,7 @@
 #include "log.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -29,6 +30,8 @@ struct rate_slot {
 static enum log_level min_level = LOG_INFO;
 static enum log_format format = LOG_FORMAT_PLAIN;
 static struct rate_slot slots[RATE_SLOTS];
+/* The store's writer thread logs too: the rate slots are shared. */
+static pthread_mutex_t slots_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t (*clock_fn)(void);
 
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
@@ -93,8 +96,10 @@ const char *log_format_str(enum log_format f)
 
 void log_set_clock(uint64_t (*now_ms)(void))
 {
+	pthread_mutex_lock(&slots_mu);
 	clock_fn = now_ms;
 	memset(slots, 0, sizeof(slots));
+	pthread_mutex_unlock(&slots_mu);
 }
 
 static uint64_t now_ms(void)
@@ -199,8 +204,14 @@ static void vlog(enum log_level level, const char *subsystem, bool limited, cons
 		level = LOG_ERROR;
 	if (level < min_level)
 		return;
-	if (limited && !rate_admit(level, subsystem, fmt))
-		return;
+	if (limited) {
+		bool admit;
+		pthread_mutex_lock(&slots_mu);
+		admit = rate_admit(level, subsystem, fmt);
+		pthread_mutex_unlock(&slots_mu);
+		if (!admit)
+			return;
+	}
 	if (vsnprintf(msg, sizeof(msg), fmt, ap) < 0)
 		return;
 	/* One event, one line: a message quoting a file or a peer cannot start a new one. */

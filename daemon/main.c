@@ -34,6 +34,7 @@ struct daemon {
 	uv_signal_t sigint, sigterm;
 	uv_signal_t sighup;
 	uv_timer_t flush_timer;
+	uv_async_t committed; /* the store's writer thread wakes the loop through it */
 	int signals_seen;
 	bool draining; /* sink_close has been called with on_sink_closed */
 	int exit_code;
@@ -85,6 +86,18 @@ static void on_flush_timer(uv_timer_t *t)
 	}
 }
 
+static void on_committed(uv_async_t *h)
+{
+	struct daemon *d = h->data;
+	server_progress(&d->server);
+}
+
+/* Called on the store's writer thread. */
+static void wake_loop(void *arg)
+{
+	uv_async_send(arg);
+}
+
 static void on_sink_closed(void *arg)
 {
 	struct daemon *d = arg;
@@ -101,8 +114,10 @@ static void on_stopped(struct server *s)
 
 	uv_timer_stop(&d->flush_timer);
 	uv_close((uv_handle_t *)&d->flush_timer, NULL);
-	/* Every conversation's last message goes to the spool, then the flusher drains it. */
+	/* Every conversation's last message goes to the spool, then the flusher drains it:
+	 * what the spool takes now is handed to the sink once written. */
 	dispatch_flush_tick(&d->dispatch, true);
+	dispatch_sync(&d->dispatch);
 	if (d->sink && sink_remote(d->sink) && d->signals_seen < 2)
 		notify_status("Stopping: sending the spool (up to %llu ms)",
 			      (unsigned long long)d->cfg.drain_ms);
@@ -316,6 +331,12 @@ int main(int argc, char **argv)
 		d.exit_code = 1;
 		goto out;
 	}
+	/* Not counted as a reason to run: the loop ends with the other handles. */
+	uv_async_init(&d.loop, &d.committed, on_committed);
+	d.committed.data = &d;
+	uv_unref((uv_handle_t *)&d.committed);
+	if (d.store)
+		store_set_wake(d.store, wake_loop, &d.committed);
 	rc = server_start(&d.server, &d.loop, &d.cfg, &d.dispatch, d.listen_fd);
 	d.listen_fd = -1; /* the server's now, even when it failed */
 	if (rc < 0) {
@@ -357,13 +378,19 @@ out:
 		d.sink = NULL;
 	}
 	uv_run(&d.loop, UV_RUN_DEFAULT);
-	if (uv_loop_close(&d.loop) != 0)
-		log_msg(LOG_WARN, "main", "event loop closed with handles still open");
 	/* What the flusher confirmed while draining is still in the open transaction. */
 	if (d.store && store_in_transaction(d.store) && store_commit(d.store) < 0)
 		log_msg(LOG_WARN, "store", "last commit failed: confirmed writes will be sent again");
-	dispatch_free(&d.dispatch);
+	/* The writer ends with the store: no wake after that. */
 	store_close(d.store);
+	d.store = NULL;
+	if (uv_is_active((uv_handle_t *)&d.committed) || d.committed.loop) {
+		uv_close((uv_handle_t *)&d.committed, NULL);
+		uv_run(&d.loop, UV_RUN_DEFAULT);
+	}
+	if (uv_loop_close(&d.loop) != 0)
+		log_msg(LOG_WARN, "main", "event loop closed with handles still open");
+	dispatch_free(&d.dispatch);
 	awsconf_free(&d.aws);
 	ddbclient_global_cleanup();
 	config_free(&d.cfg);

@@ -20,15 +20,35 @@
 #define LISTEN_FDS_START 3    /* SD_LISTEN_FDS_START: the first passed socket */
 #define PEER_GROUPS_MAX 65536 /* NGROUPS_MAX on Linux */
 
+/* out[0..end) may go out once transaction seq is written (the group commit runs on the
+ * store's writer thread: answers wait for it, reads too, since they may show what it
+ * writes). */
+struct hold {
+	uint64_t seq;
+	size_t end;
+};
+
+/* An ok answer out[start..end) that depends on transaction seq (0: the turn's, not yet
+ * submitted): it becomes `unavailable` if that commit fails. */
+struct dep {
+	uint64_t seq;
+	size_t start, end;
+};
+
 struct conn {
 	uv_pipe_t pipe;
 	struct server *srv;
 	struct framer fr;
-	struct buf out; /* answers of this turn, not yet handed to uv_write */
+	struct buf out; /* answers not yet handed to the socket: held ones, then the turn's */
 	size_t queued;  /* bytes handed to uv_write and not yet written */
+	struct hold *holds; /* in order */
+	size_t nholds, capholds;
+	struct dep *deps; /* in order */
+	size_t ndeps, capdeps;
 	struct conn *next, *prev;
-	struct conn *next_dirty;
+	struct conn *next_dirty, *next_held;
 	bool dirty;   /* on srv->dirty */
+	bool on_held; /* on srv->held */
 	bool reading; /* uv_read_start is in effect */
 	bool paused;  /* over max_output_bytes: neither read nor served */
 	bool eof;     /* the client closed its side: answer what is left, then close */
@@ -77,6 +97,8 @@ static void on_closed(uv_handle_t *h)
 	s->dispatch->stats.connections_current = s->nconns;
 	framer_free(&c->fr);
 	buf_free(&c->out);
+	free(c->holds);
+	free(c->deps);
 	free(c);
 	if (s->stopping)
 		server_maybe_stopped(s);
@@ -88,6 +110,7 @@ static void conn_close(struct conn *c)
 		return;
 	c->closing = true;
 	buf_free(&c->out);
+	c->nholds = c->ndeps = 0;
 	if (c->held) {
 		dispatch_cancel_wait(c->srv->dispatch, c);
 		free(c->held);
@@ -142,6 +165,36 @@ static void conn_read_start(struct conn *c)
 		conn_close(c);
 }
 
+/* dispatch_line, remembering a dependent answer. */
+static enum dispatch_result conn_dispatch(struct conn *c, const char *line, size_t len,
+                                          enum dispatch_remote remote)
+{
+	struct dispatch *d = c->srv->dispatch;
+	size_t start = c->out.len;
+	enum dispatch_result r = dispatch_line(d, line, len, &c->out, c, remote);
+
+	if (d->answer_dependent && c->out.len > start) {
+		if (c->ndeps == c->capdeps) {
+			size_t ncap = c->capdeps ? 2 * c->capdeps : 8;
+			struct dep *p = realloc(c->deps, ncap * sizeof(*p));
+			if (!p) {
+				/* Cannot track it: the answer would go out even if its commit
+				 * failed. Nothing safe is left but to drop the client. */
+				log_msg(LOG_ERROR, "server", "out of memory; closing a connection");
+				conn_close(c);
+				return DISPATCH_DONE;
+			}
+			c->deps = p;
+			c->capdeps = ncap;
+		}
+		c->deps[c->ndeps].seq = 0;
+		c->deps[c->ndeps].start = start;
+		c->deps[c->ndeps].end = c->out.len;
+		c->ndeps++;
+	}
+	return r;
+}
+
 /* Answers buffered complete lines until none is left or the output limit is reached. */
 static void conn_serve(struct conn *c)
 {
@@ -163,8 +216,7 @@ static void conn_serve(struct conn *c)
 			break;
 		if (ev == FRAMER_TOO_LARGE) {
 			dispatch_too_large_line(d, &c->out);
-		} else if (dispatch_line(d, line, len, &c->out, c, DISPATCH_REMOTE_CHECK) ==
-		           DISPATCH_WAIT) {
+		} else if (conn_dispatch(c, line, len, DISPATCH_REMOTE_CHECK) == DISPATCH_WAIT) {
 			/* Keep the line; the answers after it wait for it (in order). */
 			c->held = malloc(len ? len : 1);
 			if (!c->held) {
@@ -191,7 +243,7 @@ static void on_restore_ready(void *waiter, enum dispatch_remote outcome)
 		free(line);
 		return;
 	}
-	dispatch_line(c->srv->dispatch, line, c->held_len, &c->out, c, outcome);
+	conn_dispatch(c, line, c->held_len, outcome);
 	free(line);
 	conn_serve(c);
 	if (!c->held) {
@@ -314,14 +366,100 @@ static void conn_write_prefix(struct conn *c, size_t n)
 		}
 	}
 	buf_consume(&c->out, n);
+	/* What was held before n went out with it; the rest moves to the front. */
+	{
+		size_t k = 0;
+		for (size_t i = 0; i < c->nholds; i++)
+			if (c->holds[i].end > n) {
+				c->holds[k] = c->holds[i];
+				c->holds[k++].end -= n;
+			}
+		c->nholds = k;
+		k = 0;
+		for (size_t i = 0; i < c->ndeps; i++)
+			if (c->deps[i].start >= n) {
+				c->deps[k] = c->deps[i];
+				c->deps[k].start -= n;
+				c->deps[k++].end -= n;
+			}
+		c->ndeps = k;
+	}
 }
 
+/* Writes what is not held. */
 static void conn_flush(struct conn *c)
 {
-	conn_write_prefix(c, c->out.len);
+	conn_write_prefix(c, c->nholds ? 0 : c->out.len);
+}
+
+/* Holds what the connection has not written until transaction seq is. */
+static void conn_hold(struct conn *c, uint64_t seq)
+{
+	struct server *s = c->srv;
+
+	if (c->nholds && c->holds[c->nholds - 1].seq == seq) {
+		c->holds[c->nholds - 1].end = c->out.len;
+	} else {
+		if (c->nholds == c->capholds) {
+			size_t ncap = c->capholds ? 2 * c->capholds : 4;
+			struct hold *p = realloc(c->holds, ncap * sizeof(*p));
+			if (!p) {
+				log_msg(LOG_ERROR, "server", "out of memory; closing a connection");
+				conn_close(c);
+				return;
+			}
+			c->holds = p;
+			c->capholds = ncap;
+		}
+		c->holds[c->nholds].seq = seq;
+		c->holds[c->nholds].end = c->out.len;
+		c->nholds++;
+	}
+	if (!c->on_held) {
+		c->on_held = true;
+		c->next_held = s->held;
+		s->held = c;
+	}
+}
+
+/* Turns every dependent answer of c not written yet (its commit failed) into `unavailable`,
+ * and lets everything go. */
+static void conn_fail_deps(struct conn *c)
+{
+	struct buf fresh = {NULL, 0, 0};
+	size_t pos = 0;
+
+	if (c->closing)
+		return;
+	if (c->ndeps) {
+		for (size_t i = 0; i < c->ndeps; i++) {
+			struct dep *dp = &c->deps[i];
+			buf_append(&fresh, c->out.data + pos, dp->start - pos);
+			dispatch_fail_answer(c->srv->dispatch, &fresh, c->out.data + dp->start,
+			                     dp->end - dp->start);
+			pos = dp->end;
+		}
+		buf_append(&fresh, c->out.data + pos, c->out.len - pos);
+		buf_free(&c->out);
+		c->out = fresh;
+	}
+	c->ndeps = 0;
+	c->nholds = 0;
+	conn_mark_dirty(c);
 }
 
 /* End of a loop turn: one commit for every mutation of the turn, then the answers. */
+/* After a failed commit: every connection's dependent answers not yet written. */
+static void server_failed(struct server *s)
+{
+	s->failures_seen = s->dispatch->failures;
+	for (struct conn *c = s->held; c; c = c->next_held)
+		c->on_held = false;
+	s->held = NULL;
+	for (struct conn *c = s->conns; c; c = c->next)
+		conn_fail_deps(c);
+}
+
 static void server_turn(struct server *s)
 {
 	struct conn *c, *next;
@@ -330,18 +468,74 @@ static void server_turn(struct server *s)
 	 * here, and what it answers then is committed and written in the next round, before
 	 * the loop may block in poll. Each round serves lines already read, so this ends. */
 	do {
+		uint64_t hold;
+
 		if (dispatch_pending_commit(s->dispatch))
 			dispatch_commit(s->dispatch, false);
+		if (s->dispatch->failures != s->failures_seen)
+			server_failed(s);
+		hold = dispatch_hold(s->dispatch);
 		for (c = s->dirty, s->dirty = NULL; c; c = next) {
 			next = c->next_dirty;
 			c->dirty = false;
 			c->next_dirty = NULL;
+			/* The turn's dependent answers depend on what was just submitted. */
+			for (size_t i = c->ndeps; i-- > 0 && !c->deps[i].seq;)
+				c->deps[i].seq = hold;
+			if (hold)
+				conn_hold(c, hold);
+			else if (c->nholds) /* behind what is still held */
+				conn_hold(c, c->holds[c->nholds - 1].seq);
 			conn_flush(c);
-			if (!c->closing && c->queued == 0)
+			if (!c->closing && c->queued == 0 && !c->nholds)
 				conn_resume(c);
 			conn_close_if_done(c);
 		}
 	} while (s->dirty);
+}
+
+void server_progress(struct server *s)
+{
+	struct dispatch *d = s->dispatch;
+	struct conn *c, *next;
+
+	if (!dispatch_progress(d) || d->failures != s->failures_seen) {
+		server_failed(s);
+	} else {
+		/* Release what is written. */
+		for (c = s->held, s->held = NULL; c; c = next) {
+			size_t n = 0, k = 0;
+			next = c->next_held;
+			c->next_held = NULL;
+			c->on_held = false;
+			if (c->closing)
+				continue;
+			while (k < c->nholds && c->holds[k].seq <= d->committed)
+				n = c->holds[k++].end;
+			for (size_t i = 0; i < c->ndeps && c->deps[i].start < n; i++)
+				c->deps[i].seq = 0; /* written: nothing to fail any more */
+			{
+				/* Drop the released holds and deps before writing. */
+				size_t j = 0;
+				for (size_t i = 0; i < c->ndeps; i++)
+					if (c->deps[i].start >= n)
+						c->deps[j++] = c->deps[i];
+				c->ndeps = j;
+			}
+			memmove(c->holds, c->holds + k, (c->nholds - k) * sizeof(*c->holds));
+			c->nholds -= k;
+			if (c->nholds) {
+				c->on_held = true;
+				c->next_held = s->held;
+				s->held = c;
+			}
+			conn_write_prefix(c, n);
+			if (!c->closing && c->queued == 0 && !c->nholds)
+				conn_resume(c);
+			conn_close_if_done(c);
+		}
+	}
+	server_turn(s);
 }
 
 static void on_turn(uv_check_t *h)

@@ -22,7 +22,9 @@ struct server {
 	uv_prepare_t turn_before_poll; /* same, for answers made outside the poll phase */
 	uv_timer_t deadline;           /* bounds a graceful stop */
 	struct conn *conns;            /* every open connection */
-	struct conn *dirty;            /* connections with answers waiting for the commit */
+	struct conn *dirty;            /* connections with answers of this turn */
+	struct conn *held;             /* connections with answers waiting for a commit */
+	uint64_t failures_seen;        /* the dispatch's failed commits already answered */
 	size_t nconns;
 	int handles_open; /* while stopping: handles whose close is pending */
 	bool listening, stopping, socket_created;
@@ -46,6 +48,10 @@ int server_take_activation(int *fd);
  * every connection with SO_PEERCRED. 0 or -errno, after logging why. */
 int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
                  struct dispatch *dispatch, int listen_fd);
+
+/* The store's writer finished something (main's async handle): answers whose commit is
+ * written go out; after a failed commit, the dependent ones become `unavailable`. */
+void server_progress(struct server *s);
 
 /* Graceful stop: stop accepting, remove the socket file it created, answer every complete line
  * already read, write the answers, close each connection, then call on_stopped. A second

@@ -43,7 +43,12 @@
 #define STORE_WAL_HARD_PAGES 8000
 /* Pending records after which a fold cycle starts (see "Messages" below). */
 #define STORE_FOLD_RECORDS 16384
-/* Records folded after each commit, at least; at most the cycle's own. */
+/* The fold's steps, in transactions of their own while the writer has nothing to write:
+ * about this many records each (short: a commit may wait behind one). */
+#define STORE_FOLD_IDLE_STEP 128
+/* Pending records past which each commit takes a step of the fold too (at least this many
+ * records): the back-pressure that bounds the memory pending records take. */
+#define STORE_FOLD_BEHIND (4 * STORE_FOLD_RECORDS)
 #define STORE_FOLD_STEP_MIN 64
 
 /* Messages. A group commit adds message versions to many conversations at once. Stored
@@ -245,12 +250,31 @@ struct store {
 	struct checkpointer ck;
 	char *path; /* DIR/convod.db, for messages */
 	sqlite3_stmt *st[ST_COUNT];
+	/* The loop's side: the open transaction. */
 	bool in_txn;
-	int txn_err;     /* first failed write of the open transaction, 0 if none */
-	struct buf json; /* JSON text of the last store_put_message, reused */
+	int txn_err;      /* first failed write of the open transaction, 0 if none */
+	struct buf json;  /* JSON text of the last store_put_message, reused */
 	struct buf batch; /* message records of the open transaction */
 	size_t batch_records;
-	uint64_t batch_seq; /* seq of the last committed batch */
+	struct buf ops;   /* its other writes (op_record) */
+	/* The writer thread and its queue (see "the writer thread"). */
+	pthread_t writer;
+	bool writer_started, locks_ready;
+	pthread_mutex_t qmu; /* the queue and the progress below */
+	pthread_cond_t qcv;
+	struct job *queue, *queue_tail;
+	bool stop;
+	uint64_t submitted;    /* seq of the last job queued */
+	uint64_t committed;    /* the highest seq written, in order */
+	bool failed;           /* a write failed, not yet acknowledged by store_failure_ack */
+	bool busy;             /* a job is being written (by the writer or inline) */
+	enum durability durability;
+	int fail_error;
+	uint64_t void_through; /* jobs up to this seq were queued before an acknowledged failure */
+	void (*wake)(void *arg);
+	void *wake_arg;
+	pthread_mutex_t dbmu; /* the connection and the pending records: writer or reader */
+	/* The writer's side: the fold. */
 	struct pending next; /* committed, not in a fold cycle yet */
 	struct pending cur;  /* the fold cycle's: sorted by conversation */
 	size_t cursor;       /* cur's next entry to fold */
@@ -341,26 +365,6 @@ static int bind_conv(sqlite3_stmt *st, int i, const char *conv, size_t conv_len)
 	return sqlite3_bind_blob64(st, i, conv_len ? conv : "", conv_len, SQLITE_STATIC);
 }
 
-static int bind_text(sqlite3_stmt *st, int i, const char *text)
-{
-	if (!text)
-		return sqlite3_bind_null(st, i);
-	return sqlite3_bind_text64(st, i, text, strlen(text), SQLITE_STATIC, SQLITE_UTF8);
-}
-
-/* Binds conversation (?1) and sk (?2), the key of most statements. */
-static int bind_key(struct store *s, enum stmt_id id, const char *conv, size_t conv_len,
-                    const char *sk)
-{
-	sqlite3_stmt *st = s->st[id];
-	int rc;
-	if (!conv || !sk)
-		return -EINVAL;
-	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK ||
-	    (rc = bind_text(st, 2, sk)) != SQLITE_OK)
-		return fail(s, st, rc);
-	return 0;
-}
 
 /* Reads one integer (or the first row's first column as text into text) of a statement. */
 static int query_one(sqlite3 *db, const char *sql, int64_t *num, char *text, size_t text_len)
@@ -827,13 +831,15 @@ static int grow(void **arr, size_t *cap, size_t need, size_t size, size_t first)
 	return 0;
 }
 
-/* Room for one more batch of nrec records: adding it after its commit cannot fail. */
-static int pending_reserve(struct pending *p, size_t nrec)
+/* Room for nbatches more batches of nrec records in all: adding them after their commit
+ * cannot fail. */
+static int pending_reserve(struct pending *p, size_t nbatches, size_t nrec)
 {
 	size_t need = p->nconvs + nrec;
 
 	if (need > UINT32_MAX / 2 - 1 ||
-	    grow((void **)&p->batches, &p->capbatches, p->nbatches + 1, sizeof(*p->batches), 64) < 0 ||
+	    grow((void **)&p->batches, &p->capbatches, p->nbatches + nbatches, sizeof(*p->batches),
+	         64) < 0 ||
 	    grow((void **)&p->entries, &p->capentries, p->nentries + nrec, sizeof(*p->entries),
 	         1024) < 0 ||
 	    grow((void **)&p->convs, &p->capconvs, need, sizeof(*p->convs), 256) < 0)
@@ -932,6 +938,8 @@ static size_t newest_per_key(struct cand *c, size_t n)
 {
 	size_t out = 0;
 
+	if (n == 0)
+		return 0;
 	qsort(c, n, sizeof(*c), cmp_cand);
 	for (size_t i = 0; i < n; i++) {
 		if (i + 1 < n && c[i + 1].r.sk_len == c[i].r.sk_len &&
@@ -1019,19 +1027,65 @@ static int fold_step(struct store *s, size_t want, bool force)
 	return rc;
 }
 
-/* Folds everything pending, in transactions of its own (none may be open). 0 or -errno. */
+/* ---- the writer's transactions ---- */
+
+/* One SQLite transaction of the writer (or of the thread that opens or closes the store,
+ * when the writer is not running). The fold step inside it is finished or undone with it. */
+static int tx_begin(struct store *s)
+{
+	int rc = run(s, s->st[ST_BEGIN]);
+	if (rc < 0)
+		return rc;
+	s->txn_cursor = s->cursor;
+	s->txn_fold_started = s->txn_fold_ended = false;
+	return 0;
+}
+
+static void tx_rollback(struct store *s)
+{
+	/* SQLite rolls some failures (a full disk, I/O errors) back by itself. */
+	if (!sqlite3_get_autocommit(s->db))
+		run(s, s->st[ST_ROLLBACK]);
+	/* The fold's segments are gone with the transaction: so is its progress. */
+	s->cursor = s->txn_cursor;
+	if (s->txn_fold_started) {
+		struct pending spare = s->next;
+		s->next = s->cur;
+		s->cur = spare;
+		s->cursor = 0;
+	}
+	s->txn_fold_started = s->txn_fold_ended = false;
+}
+
+/* Commits; on failure rolls back. */
+static int tx_commit(struct store *s)
+{
+	int rc = run(s, s->st[ST_COMMIT]);
+	if (rc < 0) {
+		tx_rollback(s);
+		return rc;
+	}
+	if (s->txn_fold_ended) {
+		pending_reset(&s->cur);
+		s->cursor = 0;
+	}
+	s->txn_fold_started = s->txn_fold_ended = false;
+	return 0;
+}
+
+/* Folds everything pending, in transactions of its own. 0 or -errno. */
 static int settle(struct store *s)
 {
 	int rc = 0;
 
 	while (!rc && (s->cur.nentries || s->next.nentries)) {
-		if ((rc = store_begin(s)) < 0)
+		if ((rc = tx_begin(s)) < 0)
 			break;
 		if ((rc = fold_step(s, SIZE_MAX, true)) < 0) {
-			store_rollback(s);
+			tx_rollback(s);
 			break;
 		}
-		rc = store_commit(s);
+		rc = tx_commit(s);
 	}
 	return rc;
 }
@@ -1059,7 +1113,7 @@ static int replay_batches(struct store *s)
 			        "%s: journal row %" PRId64 " is damaged after %zu records; the rest "
 			        "of it is lost",
 			        s->path, seq, n);
-		if (!(copy = malloc(good ? good : 1)) || pending_reserve(&s->next, n) < 0) {
+		if (!(copy = malloc(good ? good : 1)) || pending_reserve(&s->next, 1, n) < 0) {
 			free(copy);
 			rc = -ENOMEM;
 			break;
@@ -1067,13 +1121,544 @@ static int replay_batches(struct store *s)
 		if (good)
 			memcpy(copy, data, good);
 		pending_add(s, &s->next, copy, good, (uint64_t)seq);
-		if ((uint64_t)seq > s->batch_seq)
-			s->batch_seq = (uint64_t)seq;
+		if ((uint64_t)seq > s->submitted)
+			s->submitted = s->committed = (uint64_t)seq;
 	}
 	if (!rc && step != SQLITE_DONE)
 		rc = fail(s, st, step);
 	sqlite3_reset(st);
 	return rc;
+}
+
+/* ---- the writes of a transaction, as the loop records them ---- */
+
+/* Besides message records, a transaction's writes are ops, packed into its ops buffer and
+ * applied in order by the writer. */
+enum op_kind {
+	OPK_PUT_CONVERSATION = 1, /* conv, updated */
+	OPK_SET_CLOSED,           /* conv, closed_ms */
+	OPK_SPOOL_PUT,            /* conv, sk, version, map_bytes, now_ms */
+	OPK_SPOOL_DONE,           /* conv, sk, version */
+	OPK_DEAD_LETTER,          /* conv, sk, version, item (or none), error, now_ms */
+};
+
+#define NO_TEXT UINT32_MAX /* a NULL item */
+
+static int put_u64(struct buf *b, uint64_t v)
+{
+	unsigned char p[8];
+	for (int i = 0; i < 8; i++)
+		p[i] = (unsigned char)(v >> (8 * i));
+	return buf_append(b, p, 8);
+}
+
+static int put_bytes(struct buf *b, const char *p, size_t n)
+{
+	if (n > UINT32_MAX - 1 || put_u64(b, n) < 0)
+		return -ENOMEM;
+	return n ? buf_append(b, p, n) : 0;
+}
+
+struct op {
+	enum op_kind kind;
+	const char *conv, *sk, *item, *error;
+	size_t conv_len, sk_len, item_len, error_len;
+	uint64_t version, map_bytes;
+	int64_t when;
+};
+
+/* Appends op to the open transaction's ops. */
+static int op_record(struct store *s, const struct op *o)
+{
+	struct buf *b = &s->ops;
+	size_t mark = b->len;
+	unsigned char kind = (unsigned char)o->kind;
+	int rc = buf_append(b, &kind, 1);
+
+	if (!rc)
+		rc = put_bytes(b, o->conv, o->conv_len);
+	if (!rc)
+		rc = put_bytes(b, o->sk ? o->sk : "", o->sk_len);
+	if (!rc)
+		rc = put_u64(b, o->version);
+	if (!rc)
+		rc = put_u64(b, o->map_bytes);
+	if (!rc)
+		rc = put_u64(b, (uint64_t)o->when);
+	if (!rc)
+		rc = o->item ? put_bytes(b, o->item, o->item_len) : put_u64(b, NO_TEXT);
+	if (!rc)
+		rc = put_bytes(b, o->error ? o->error : "", o->error_len);
+	if (rc) {
+		b->len = mark;
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+static uint64_t get_u64(const char **p)
+{
+	const unsigned char *q = (const unsigned char *)*p;
+	uint64_t v = 0;
+	for (int i = 7; i >= 0; i--)
+		v = (v << 8) | q[i];
+	*p += 8;
+	return v;
+}
+
+static const char *get_bytes(const char **p, size_t *n)
+{
+	const char *s;
+	*n = (size_t)get_u64(p);
+	if (*n == NO_TEXT) {
+		*n = 0;
+		return NULL;
+	}
+	s = *p;
+	*p += *n;
+	return s;
+}
+
+/* The next op of an ops buffer (written by op_record: well formed). */
+static const char *op_read(const char *p, struct op *o)
+{
+	o->kind = (enum op_kind)(unsigned char)*p++;
+	o->conv = get_bytes(&p, &o->conv_len);
+	o->sk = get_bytes(&p, &o->sk_len);
+	o->version = get_u64(&p);
+	o->map_bytes = get_u64(&p);
+	o->when = (int64_t)get_u64(&p);
+	o->item = get_bytes(&p, &o->item_len);
+	o->error = get_bytes(&p, &o->error_len);
+	return p;
+}
+
+/* Binds conversation (?1) and sk (?2) of op o. */
+static int bind_op_key(struct store *s, sqlite3_stmt *st, const struct op *o)
+{
+	int rc;
+	if ((rc = bind_conv(st, 1, o->conv, o->conv_len)) != SQLITE_OK ||
+	    (rc = sqlite3_bind_text64(st, 2, o->sk ? o->sk : "", o->sk_len, SQLITE_STATIC,
+	                              SQLITE_UTF8)) != SQLITE_OK)
+		return fail(s, st, rc);
+	return 0;
+}
+
+/* Deletes the spool row of (conv, sk) if its version is at most version. */
+static int spool_delete(struct store *s, const struct op *o)
+{
+	sqlite3_stmt *st = s->st[ST_SPOOL_DELETE];
+	int rc;
+	if ((rc = bind_op_key(s, st, o)) < 0)
+		return rc;
+	if ((rc = sqlite3_bind_int64(st, 3, (sqlite3_int64)o->version)) != SQLITE_OK)
+		return fail(s, st, rc);
+	return run(s, st);
+}
+
+/* Runs one op inside the writer's transaction. */
+static int op_apply(struct store *s, const struct op *o)
+{
+	sqlite3_stmt *st;
+	int rc;
+
+	switch (o->kind) {
+	case OPK_PUT_CONVERSATION:
+	case OPK_SET_CLOSED:
+		st = s->st[o->kind == OPK_PUT_CONVERSATION ? ST_PUT_CONVERSATION : ST_SET_CLOSED];
+		if ((rc = bind_conv(st, 1, o->conv, o->conv_len)) != SQLITE_OK ||
+		    (rc = sqlite3_bind_int64(st, 2, o->when)) != SQLITE_OK)
+			return fail(s, st, rc);
+		return run(s, st);
+	case OPK_SPOOL_PUT:
+		st = s->st[ST_SPOOL_PUT];
+		if ((rc = bind_op_key(s, st, o)) < 0)
+			return rc;
+		if ((rc = sqlite3_bind_int64(st, 3, (sqlite3_int64)o->version)) != SQLITE_OK ||
+		    (rc = sqlite3_bind_int64(st, 4, o->when)) != SQLITE_OK ||
+		    (rc = sqlite3_bind_int64(st, 5, (sqlite3_int64)o->map_bytes)) != SQLITE_OK)
+			return fail(s, st, rc);
+		return run(s, st);
+	case OPK_SPOOL_DONE:
+		st = s->st[ST_CONFIRM];
+		if ((rc = spool_delete(s, o)) < 0 || (rc = bind_op_key(s, st, o)) < 0)
+			return rc;
+		if ((rc = sqlite3_bind_int64(st, 3, (sqlite3_int64)o->version)) != SQLITE_OK)
+			return fail(s, st, rc);
+		return run(s, st);
+	case OPK_DEAD_LETTER:
+		st = s->st[ST_DEAD_INSERT];
+		if ((rc = bind_op_key(s, st, o)) < 0)
+			return rc;
+		if ((rc = sqlite3_bind_int64(st, 3, (sqlite3_int64)o->version)) != SQLITE_OK ||
+		    (rc = o->item ? sqlite3_bind_text64(st, 4, o->item, o->item_len, SQLITE_STATIC,
+		                                        SQLITE_UTF8)
+		                  : sqlite3_bind_null(st, 4)) != SQLITE_OK ||
+		    (rc = sqlite3_bind_text64(st, 5, o->error ? o->error : "", o->error_len,
+		                              SQLITE_STATIC, SQLITE_UTF8)) != SQLITE_OK ||
+		    (rc = sqlite3_bind_int64(st, 6, o->when)) != SQLITE_OK)
+			return fail(s, st, rc);
+		if ((rc = run(s, st)) < 0)
+			return rc;
+		return spool_delete(s, o);
+	}
+	return -EINVAL;
+}
+
+/* ---- the writer thread ---- */
+
+/* Commits are written by a thread of their own, so that the loop goes on serving while
+ * SQLite writes (and, at durability machine, syncs): store_submit queues a transaction's
+ * writes as a job, the writer takes every job queued, writes them in one SQLite transaction
+ * (the group commit grows with the load) with a fold step, and reports through wake and
+ * store_progress. Jobs are committed in the order they were submitted. The connection and
+ * the pending records are the writer's while it writes (dbmu); the loop's reads take dbmu
+ * too, between two of the writer's transactions. */
+enum job_kind { JOB_WRITE = 0, JOB_IDLE, JOB_RETRY_DEAD, JOB_PURGE };
+
+struct job {
+	struct job *next;
+	enum job_kind kind;
+	uint64_t seq;
+	char *recs; /* message records (owned) */
+	size_t recs_len, nrecs;
+	char *ops; /* ops (owned) */
+	size_t ops_len;
+	int64_t arg;    /* now_ms for JOB_RETRY_DEAD, before_ms for JOB_PURGE */
+	size_t result;  /* dead letters retried, conversations purged */
+	bool sync;      /* a thread waits for it: the writer reports into it, the waiter frees */
+	bool done;
+	int rc;
+};
+
+static void job_free(struct job *j)
+{
+	if (!j)
+		return;
+	free(j->recs);
+	free(j->ops);
+	free(j);
+}
+
+/* Writes jobs (all JOB_WRITE) in one transaction. 0 or -errno (rolled back). */
+static int write_jobs(struct store *s, struct job *jobs)
+{
+	size_t recs = 0, nbatches = 0;
+	int rc = tx_begin(s);
+
+	for (struct job *j = jobs; j && !rc; j = j->next) {
+		const char *p = j->ops, *end = j->ops + j->ops_len;
+		recs += j->nrecs;
+		nbatches += j->recs_len ? 1 : 0;
+		while (p && p < end && !rc) {
+			struct op o;
+			p = op_read(p, &o);
+			rc = op_apply(s, &o);
+		}
+	}
+	/* The fold runs while the writer has nothing to write (fold_idle); in a commit only
+	 * once it fell far behind. */
+	if (!rc && s->cur.nentries + s->next.nentries >= STORE_FOLD_BEHIND)
+		rc = fold_step(s, recs > STORE_FOLD_STEP_MIN ? recs : STORE_FOLD_STEP_MIN, false);
+	/* Room for the new batches, after the step (which may have started a cycle). */
+	if (!rc && pending_reserve(&s->next, nbatches, recs) < 0)
+		rc = -ENOMEM;
+	for (struct job *j = jobs; j && !rc; j = j->next) {
+		sqlite3_stmt *st = s->st[ST_BATCH_PUT];
+		if (!j->recs_len)
+			continue;
+		if ((rc = sqlite3_bind_int64(st, 1, (sqlite3_int64)j->seq)) != SQLITE_OK ||
+		    (rc = sqlite3_bind_blob64(st, 2, j->recs, j->recs_len, SQLITE_STATIC)) !=
+		        SQLITE_OK)
+			rc = fail(s, st, rc);
+		else
+			rc = run(s, st);
+	}
+	if (rc) {
+		if (rc != -ENOSPC && rc != -EIO && rc != -ENOMEM)
+			rc = -EIO;
+		tx_rollback(s);
+		return rc;
+	}
+	if ((rc = tx_commit(s)) < 0)
+		return rc;
+	for (struct job *j = jobs; j; j = j->next) {
+		if (!j->recs_len)
+			continue;
+		pending_add(s, &s->next, j->recs, j->recs_len, j->seq);
+		j->recs = NULL; /* the pending records own it now */
+	}
+	return 0;
+}
+
+/* The jobs that are not writes: each on its own, in transactions of their own. */
+static int run_special(struct store *s, struct job *j)
+{
+	int rc = 0;
+
+	switch (j->kind) {
+	case JOB_IDLE:
+		if (s->cur.nentries || s->next.nentries)
+			rc = settle(s);
+		if (!rc) {
+			pending_free(&s->cur);
+			pending_free(&s->next);
+			s->cursor = 0;
+		}
+		/* The page cache refills as needed. */
+		sqlite3_db_release_memory(s->db);
+		return rc;
+	case JOB_RETRY_DEAD: {
+		sqlite3_stmt *st = s->st[ST_DEAD_TO_SPOOL];
+		if ((rc = tx_begin(s)) < 0)
+			return rc;
+		if ((rc = sqlite3_bind_int64(st, 1, j->arg)) != SQLITE_OK)
+			rc = fail(s, st, rc);
+		else if ((rc = run(s, st)) == 0 && (rc = run(s, s->st[ST_DEAD_CLEAR])) == 0)
+			j->result = (size_t)sqlite3_changes64(s->db);
+		if (rc) {
+			tx_rollback(s);
+			return rc;
+		}
+		return tx_commit(s);
+	}
+	case JOB_PURGE:
+		/* Pending records of a purged conversation would be folded into segments later. */
+		if ((rc = settle(s)) < 0 || (rc = tx_begin(s)) < 0)
+			return rc;
+		for (int i = ST_PURGE_SEGMENTS; !rc && i <= ST_PURGE_CONVERSATIONS; i++) {
+			if ((rc = sqlite3_bind_int64(s->st[i], 1, j->arg)) != SQLITE_OK)
+				rc = fail(s, s->st[i], rc);
+			else
+				rc = run(s, s->st[i]);
+		}
+		if (!rc)
+			j->result = (size_t)sqlite3_changes64(s->db);
+		if (rc) {
+			tx_rollback(s);
+			return rc;
+		}
+		return tx_commit(s);
+	case JOB_WRITE:
+		break;
+	}
+	return -EINVAL;
+}
+
+/* Is there fold work: a cycle under way, or enough pending to start one? (dbmu held) */
+static bool fold_wanted(const struct store *s)
+{
+	return s->cursor < s->cur.nconvs || s->next.nentries >= STORE_FOLD_RECORDS;
+}
+
+/* A step of the fold in a transaction of its own, while no job waits. It is not synced, even
+ * at durability machine: the journal rows it folds stay until a later transaction deletes
+ * them, so a fold lost to a power cut is folded again. A failure (a full disk) is tried
+ * again later. Returns whether there is more to fold. */
+static bool fold_idle(struct store *s)
+{
+	bool more;
+
+	pthread_mutex_lock(&s->dbmu);
+	if ((more = fold_wanted(s))) {
+		if (s->durability == DURABILITY_MACHINE)
+			sqlite3_exec(s->db, "PRAGMA synchronous=NORMAL", NULL, NULL, NULL);
+		if (tx_begin(s) == 0) {
+			if (fold_step(s, STORE_FOLD_IDLE_STEP, false) < 0) {
+				tx_rollback(s);
+				more = false;
+			} else if (tx_commit(s) < 0) {
+				more = false;
+			}
+		}
+		if (s->durability == DURABILITY_MACHINE)
+			sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL);
+		more = more && fold_wanted(s);
+	}
+	pthread_mutex_unlock(&s->dbmu);
+	return more;
+}
+
+static void *writer_main(void *arg)
+{
+	struct store *s = arg;
+	bool fold = true;
+
+	pthread_mutex_lock(&s->qmu);
+	for (;;) {
+		struct job *jobs, *keep = NULL, **kp = &keep, *j, *next;
+		bool had;
+		int rc = 0;
+
+		/* Between jobs, the fold. */
+		while (fold && !s->queue && !s->stop) {
+			pthread_mutex_unlock(&s->qmu);
+			fold = fold_idle(s);
+			pthread_mutex_lock(&s->qmu);
+		}
+		while (!s->queue && !s->stop)
+			pthread_cond_wait(&s->qcv, &s->qmu);
+		fold = true;
+		if (!s->queue)
+			break;
+		/* The writes queued now, up to the first special job; or that job alone. */
+		jobs = s->queue;
+		if (jobs->kind != JOB_WRITE) {
+			s->queue = jobs->next;
+			jobs->next = NULL;
+		} else {
+			struct job **pp = &jobs->next;
+			while (*pp && (*pp)->kind == JOB_WRITE)
+				pp = &(*pp)->next;
+			s->queue = *pp;
+			*pp = NULL;
+		}
+		if (!s->queue)
+			s->queue_tail = NULL;
+		/* Jobs submitted before a failure was acknowledged are void: the loop has put
+		 * memory back as the store holds it. */
+		for (j = jobs; j; j = next) {
+			next = j->next;
+			j->next = NULL;
+			if (s->failed || j->seq <= s->void_through) {
+				j->rc = -ECANCELED;
+				j->done = true;
+				if (!j->sync)
+					job_free(j);
+				continue;
+			}
+			*kp = j;
+			kp = &j->next;
+		}
+		s->busy = had = keep != NULL;
+		pthread_mutex_unlock(&s->qmu);
+
+		if (keep) {
+			pthread_mutex_lock(&s->dbmu);
+			rc = keep->kind == JOB_WRITE ? write_jobs(s, keep) : run_special(s, keep);
+			pthread_mutex_unlock(&s->dbmu);
+		}
+
+		pthread_mutex_lock(&s->qmu);
+		if (rc && keep && keep->kind == JOB_WRITE) {
+			s->failed = true;
+			s->fail_error = rc;
+		}
+		for (j = keep; j; j = next) {
+			next = j->next;
+			j->next = NULL;
+			if (!rc && j->seq > s->committed)
+				s->committed = j->seq;
+			j->rc = rc;
+			j->done = true;
+			if (!j->sync)
+				job_free(j);
+		}
+		s->busy = false;
+		pthread_cond_broadcast(&s->qcv);
+		if (had && s->wake) {
+			pthread_mutex_unlock(&s->qmu);
+			s->wake(s->wake_arg);
+			pthread_mutex_lock(&s->qmu);
+		}
+	}
+	pthread_mutex_unlock(&s->qmu);
+	return NULL;
+}
+
+static int locks_init(struct store *s)
+{
+	int rc;
+
+	if ((rc = pthread_mutex_init(&s->qmu, NULL)) != 0)
+		return -rc;
+	if ((rc = pthread_mutex_init(&s->dbmu, NULL)) != 0) {
+		pthread_mutex_destroy(&s->qmu);
+		return -rc;
+	}
+	if ((rc = pthread_cond_init(&s->qcv, NULL)) != 0) {
+		pthread_mutex_destroy(&s->dbmu);
+		pthread_mutex_destroy(&s->qmu);
+		return -rc;
+	}
+	s->locks_ready = true;
+	return 0;
+}
+
+static int writer_start(struct store *s)
+{
+	int rc = pthread_create(&s->writer, NULL, writer_main, s);
+	if (rc != 0)
+		return -rc;
+	s->writer_started = true;
+	return 0;
+}
+
+/* Writes what is queued, then ends the thread. */
+static void writer_stop(struct store *s)
+{
+	if (!s->writer_started)
+		return;
+	pthread_mutex_lock(&s->qmu);
+	s->stop = true;
+	pthread_cond_signal(&s->qcv);
+	pthread_mutex_unlock(&s->qmu);
+	pthread_join(s->writer, NULL);
+	s->writer_started = false;
+}
+
+/* Queues j (owned by the queue from now on, unless sync) and wakes the writer. */
+static void job_queue(struct store *s, struct job *j)
+{
+	pthread_mutex_lock(&s->qmu);
+	j->seq = ++s->submitted;
+	if (s->queue_tail)
+		s->queue_tail->next = j;
+	else
+		s->queue = j;
+	s->queue_tail = j;
+	pthread_cond_signal(&s->qcv);
+	pthread_mutex_unlock(&s->qmu);
+}
+
+/* Runs j to its end and returns its rc; j stays the caller's. */
+static int job_run_sync(struct store *s, struct job *j)
+{
+	j->sync = true;
+	job_queue(s, j);
+	pthread_mutex_lock(&s->qmu);
+	while (!j->done)
+		pthread_cond_wait(&s->qcv, &s->qmu);
+	pthread_mutex_unlock(&s->qmu);
+	return j->rc;
+}
+
+void store_set_wake(struct store *s, void (*wake)(void *arg), void *arg)
+{
+	pthread_mutex_lock(&s->qmu);
+	s->wake = wake;
+	s->wake_arg = arg;
+	pthread_mutex_unlock(&s->qmu);
+}
+
+void store_progress(struct store *s, struct store_progress *p)
+{
+	pthread_mutex_lock(&s->qmu);
+	p->submitted = s->submitted;
+	p->committed = s->committed;
+	p->failed = s->failed;
+	p->error = s->fail_error;
+	pthread_mutex_unlock(&s->qmu);
+}
+
+void store_failure_ack(struct store *s)
+{
+	pthread_mutex_lock(&s->qmu);
+	if (s->failed) {
+		s->failed = false;
+		s->void_through = s->submitted;
+	}
+	pthread_mutex_unlock(&s->qmu);
 }
 
 /* ---- open and close ---- */
@@ -1117,6 +1702,10 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		goto fail;
 	}
 	snprintf(s->path, n, "%s/%s", dir, STORE_FILE);
+	if ((rc = locks_init(s)) < 0) {
+		set_errbuf(errbuf, errlen, "store: %s", strerror(-rc));
+		goto fail;
+	}
 	if (getrandom(s->hash_key, sizeof(s->hash_key), 0) != sizeof(s->hash_key)) {
 		/* Only the resistance to chosen ids depends on it. */
 		s->hash_key[0] = (uint64_t)(uintptr_t)s ^ 0x9e3779b97f4a7c15ull;
@@ -1136,6 +1725,7 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		goto fail;
 	}
 	sqlite3_busy_timeout(s->db, STORE_BUSY_TIMEOUT_MS);
+	s->durability = durability;
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
@@ -1145,17 +1735,25 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	              &rows, NULL, 0) != SQLITE_OK ||
 	    rows)
 		s->sink_rows = true;
-	/* What a crash left in the journal is folded before anything is read. */
-	if ((rc = replay_batches(s)) < 0 || (rc = settle(s)) < 0) {
-		set_errbuf(errbuf, errlen,
-		           "%s: cannot fold the journal a crash left (%s); free some space and "
-		           "start again",
-		           s->path, strerror(-rc));
+	/* What a crash left in the journal is folded before anything is read; on a full disk
+	 * it stays pending in memory (reads merge it) until the fold can be written. */
+	if ((rc = replay_batches(s)) < 0) {
+		set_errbuf(errbuf, errlen, "%s: cannot read the journal: %s", s->path,
+		           strerror(-rc));
 		goto fail;
 	}
-	if ((rc = checkpointer_start(s, durability)) < 0) {
-		set_errbuf(errbuf, errlen, "store: cannot start the checkpoint thread: %s",
+	if ((rc = settle(s)) == -ENOSPC) {
+		log_msg(LOG_WARN, "store",
+		        "%s: the disk is full: the journal a crash left stays unfolded (in memory) "
+		        "until there is room",
+		        s->path);
+	} else if (rc < 0) {
+		set_errbuf(errbuf, errlen, "%s: cannot fold the journal a crash left: %s", s->path,
 		           strerror(-rc));
+		goto fail;
+	}
+	if ((rc = checkpointer_start(s, durability)) < 0 || (rc = writer_start(s)) < 0) {
+		set_errbuf(errbuf, errlen, "store: cannot start a thread: %s", strerror(-rc));
 		goto fail;
 	}
 	*out = s;
@@ -1170,6 +1768,7 @@ void store_close(struct store *s)
 	if (!s)
 		return;
 	store_rollback(s);
+	writer_stop(s); /* after what it was given */
 	/* The next start then finds no journal to fold. */
 	if (s->st[ST_BATCH_PUT])
 		settle(s);
@@ -1182,11 +1781,17 @@ void store_close(struct store *s)
 	pending_free(&s->next);
 	buf_free(&s->json);
 	buf_free(&s->batch);
+	buf_free(&s->ops);
+	if (s->locks_ready) {
+		pthread_cond_destroy(&s->qcv);
+		pthread_mutex_destroy(&s->dbmu);
+		pthread_mutex_destroy(&s->qmu);
+	}
 	free(s->path);
 	free(s);
 }
 
-int store_set_size_limit(struct store *s, uint64_t max_bytes)
+static int size_limit(struct store *s, uint64_t max_bytes)
 {
 	int64_t page_size = 0, pages;
 	char sql[64];
@@ -1200,21 +1805,25 @@ int store_set_size_limit(struct store *s, uint64_t max_bytes)
 	return rc == SQLITE_OK ? 0 : fail(s, NULL, rc);
 }
 
-/* ---- transactions ---- */
+int store_set_size_limit(struct store *s, uint64_t max_bytes)
+{
+	pthread_mutex_lock(&s->dbmu);
+	int rc = size_limit(s, max_bytes);
+	pthread_mutex_unlock(&s->dbmu);
+	return rc;
+}
+
+/* ---- transactions (the loop's side) ---- */
 
 int store_begin(struct store *s)
 {
-	int rc;
 	if (s->in_txn)
 		return -EINVAL;
-	if ((rc = run(s, s->st[ST_BEGIN])) < 0)
-		return rc;
 	s->in_txn = true;
 	s->txn_err = 0;
 	s->batch.len = 0;
 	s->batch_records = 0;
-	s->txn_cursor = s->cursor;
-	s->txn_fold_started = s->txn_fold_ended = false;
+	s->ops.len = 0;
 	return 0;
 }
 
@@ -1222,33 +1831,89 @@ void store_rollback(struct store *s)
 {
 	if (!s->in_txn)
 		return;
-	/* SQLite rolls some failures (a full disk, I/O errors) back by itself. */
-	if (!sqlite3_get_autocommit(s->db))
-		run(s, s->st[ST_ROLLBACK]);
 	s->in_txn = false;
 	s->txn_err = 0;
 	s->batch.len = 0;
 	s->batch_records = 0;
+	s->ops.len = 0;
 	if (s->batch.cap > STORE_BUF_KEEP)
 		buf_free(&s->batch);
-	/* The fold's segments are gone with the transaction: so is its progress. */
-	s->cursor = s->txn_cursor;
-	if (s->txn_fold_started) {
-		struct pending spare = s->next;
-		s->next = s->cur;
-		s->cur = spare;
-		s->cursor = 0;
+	if (s->ops.cap > STORE_BUF_KEEP)
+		buf_free(&s->ops);
+}
+
+/* The open transaction as a job (its buffers handed over), or NULL (ENOMEM). */
+static struct job *take_transaction(struct store *s)
+{
+	struct job *j = calloc(1, sizeof(*j));
+
+	if (!j)
+		return NULL;
+	j->kind = JOB_WRITE;
+	if (s->batch.len) {
+		j->recs = buf_steal(&s->batch, &j->recs_len);
+		j->nrecs = s->batch_records;
 	}
-	s->txn_fold_started = s->txn_fold_ended = false;
+	if (s->ops.len)
+		j->ops = buf_steal(&s->ops, &j->ops_len);
+	s->in_txn = false;
+	s->batch.len = 0;
+	s->batch_records = 0;
+	s->ops.len = 0;
+	return j;
+}
+
+int store_submit(struct store *s, uint64_t *seq)
+{
+	struct job *j;
+	int rc;
+
+	*seq = 0;
+	if (!s->in_txn)
+		return -EINVAL;
+	if (s->txn_err) {
+		rc = s->txn_err;
+		store_rollback(s);
+		return rc;
+	}
+	if (!(j = take_transaction(s))) {
+		store_rollback(s);
+		return -ENOMEM;
+	}
+	/* At durability process a commit is a few writes to the page cache: the loop writes it
+	 * itself when the writer has nothing under way, sparing two thread wake-ups. */
+	pthread_mutex_lock(&s->qmu);
+	if (s->durability != DURABILITY_MACHINE && !s->busy && !s->queue && !s->failed) {
+		j->seq = ++s->submitted;
+		s->busy = true;
+		pthread_mutex_unlock(&s->qmu);
+		pthread_mutex_lock(&s->dbmu);
+		rc = write_jobs(s, j);
+		pthread_mutex_unlock(&s->dbmu);
+		pthread_mutex_lock(&s->qmu);
+		s->busy = false;
+		if (!rc)
+			s->committed = j->seq;
+		else {
+			s->failed = true;
+			s->fail_error = rc;
+		}
+		pthread_cond_broadcast(&s->qcv);
+		pthread_mutex_unlock(&s->qmu);
+		*seq = j->seq;
+		job_free(j);
+		return 0;
+	}
+	pthread_mutex_unlock(&s->qmu);
+	job_queue(s, j);
+	*seq = j->seq;
+	return 0;
 }
 
 int store_commit(struct store *s)
 {
-	size_t want = s->batch_records > STORE_FOLD_STEP_MIN ? s->batch_records
-	                                                      : STORE_FOLD_STEP_MIN;
-	char *data = NULL;
-	size_t len = 0;
-	int rc = 0;
+	struct job *j;
+	int rc;
 
 	if (!s->in_txn)
 		return -EINVAL;
@@ -1257,37 +1922,31 @@ int store_commit(struct store *s)
 		store_rollback(s);
 		return rc;
 	}
-	rc = fold_step(s, want, false);
-	if (!rc && s->batch.len) {
-		sqlite3_stmt *st = s->st[ST_BATCH_PUT];
-		if (pending_reserve(&s->next, s->batch_records) < 0)
-			rc = -ENOMEM;
-		else if ((rc = sqlite3_bind_int64(st, 1, (sqlite3_int64)(s->batch_seq + 1))) !=
-		             SQLITE_OK ||
-		         (rc = sqlite3_bind_blob64(st, 2, s->batch.data, s->batch.len,
-		                                   SQLITE_STATIC)) != SQLITE_OK)
-			rc = fail(s, st, rc);
-		else
-			rc = run(s, st);
-	}
-	if (!rc)
-		rc = run(s, s->st[ST_COMMIT]);
-	if (rc < 0) {
+	if (!(j = take_transaction(s))) {
 		store_rollback(s);
-		return rc;
+		return -ENOMEM;
 	}
-	s->in_txn = false;
-	if (s->batch.len) {
-		data = buf_steal(&s->batch, &len);
-		pending_add(s, &s->next, data, len, ++s->batch_seq);
+	rc = job_run_sync(s, j);
+	job_free(j);
+	if (rc < 0) {
+		/* Nobody else reverts anything for a caller that waits: start over. */
+		store_failure_ack(s);
+		return rc == -ECANCELED ? -EIO : rc;
 	}
-	s->batch_records = 0;
-	if (s->txn_fold_ended) {
-		pending_reset(&s->cur);
-		s->cursor = 0;
-	}
-	s->txn_fold_started = s->txn_fold_ended = false;
 	return 0;
+}
+
+int store_sync(struct store *s)
+{
+	struct job *j = calloc(1, sizeof(*j));
+	int rc;
+
+	if (!j)
+		return -ENOMEM;
+	j->kind = JOB_WRITE; /* an empty write: done once everything before it is */
+	rc = job_run_sync(s, j);
+	job_free(j);
+	return rc == -ECANCELED ? -EIO : rc;
 }
 
 /* ---- writes ---- */
@@ -1325,98 +1984,69 @@ out:
 	return write_done(s, rc);
 }
 
-int store_put_conversation(struct store *s, const struct convo *c)
+/* Records op o in the open transaction. */
+static int write_op(struct store *s, const struct op *o)
 {
-	sqlite3_stmt *st = s->st[ST_PUT_CONVERSATION];
 	int rc = write_check(s);
 	if (rc)
 		return rc;
-	if (!c || !c->id)
+	if (!o->conv || o->conv_len > UINT32_MAX - 1)
 		return -EINVAL;
-	if ((rc = bind_conv(st, 1, c->id, c->id_len)) != SQLITE_OK ||
-	    (rc = sqlite3_bind_int64(st, 2, c->updated_ms)) != SQLITE_OK)
-		return write_done(s, fail(s, st, rc));
-	return write_done(s, run(s, st));
+	return write_done(s, op_record(s, o));
+}
+
+int store_put_conversation(struct store *s, const struct convo *c)
+{
+	struct op o = {OPK_PUT_CONVERSATION, NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, 0, 0};
+	if (!c || !c->id)
+		return write_check(s) ? write_check(s) : -EINVAL;
+	o.conv = c->id;
+	o.conv_len = c->id_len;
+	o.when = c->updated_ms;
+	return write_op(s, &o);
 }
 
 int store_set_closed(struct store *s, const char *conv, size_t conv_len, int64_t closed_ms)
 {
-	sqlite3_stmt *st = s->st[ST_SET_CLOSED];
-	int rc = write_check(s);
-	if (rc)
-		return rc;
-	if (!conv)
-		return -EINVAL;
-	if ((rc = bind_conv(st, 1, conv, conv_len)) != SQLITE_OK ||
-	    (rc = sqlite3_bind_int64(st, 2, closed_ms < 1 ? 1 : closed_ms)) != SQLITE_OK)
-		return write_done(s, fail(s, st, rc));
-	return write_done(s, run(s, st));
+	struct op o = {OPK_SET_CLOSED, conv, NULL, NULL, NULL, conv_len, 0, 0, 0, 0, 0, 0};
+	o.when = closed_ms < 1 ? 1 : closed_ms;
+	return write_op(s, &o);
 }
 
 int store_spool_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
                     uint32_t version, size_t map_bytes, int64_t now_ms)
 {
-	sqlite3_stmt *st = s->st[ST_SPOOL_PUT];
-	int rc = write_check(s);
-	if (rc)
-		return rc;
-	if ((rc = bind_key(s, ST_SPOOL_PUT, conv, conv_len, sk)) < 0)
-		return write_done(s, rc);
-	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK ||
-	    (rc = sqlite3_bind_int64(st, 4, now_ms)) != SQLITE_OK ||
-	    (rc = sqlite3_bind_int64(st, 5, (sqlite3_int64)map_bytes)) != SQLITE_OK)
-		return write_done(s, fail(s, st, rc));
+	struct op o = {OPK_SPOOL_PUT, conv, sk, NULL, NULL, conv_len, 0, 0, 0, version, 0, now_ms};
+	if (!sk)
+		return write_check(s) ? write_check(s) : -EINVAL;
+	o.sk_len = strlen(sk);
+	o.map_bytes = map_bytes;
 	s->sink_rows = true;
-	return write_done(s, run(s, st));
-}
-
-/* Deletes the spool row of (conv, sk) if its version is at most version. */
-static int spool_delete(struct store *s, const char *conv, size_t conv_len, const char *sk,
-                        uint32_t version)
-{
-	sqlite3_stmt *st = s->st[ST_SPOOL_DELETE];
-	int rc;
-	if ((rc = bind_key(s, ST_SPOOL_DELETE, conv, conv_len, sk)) < 0)
-		return rc;
-	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK)
-		return fail(s, st, rc);
-	return run(s, st);
+	return write_op(s, &o);
 }
 
 int store_spool_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
                      uint32_t version)
 {
-	sqlite3_stmt *st = s->st[ST_CONFIRM];
-	int rc = write_check(s);
-	if (rc)
-		return rc;
-	if ((rc = spool_delete(s, conv, conv_len, sk, version)) < 0)
-		return write_done(s, rc);
-	if ((rc = bind_key(s, ST_CONFIRM, conv, conv_len, sk)) < 0)
-		return write_done(s, rc);
-	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK)
-		return write_done(s, fail(s, st, rc));
+	struct op o = {OPK_SPOOL_DONE, conv, sk, NULL, NULL, conv_len, 0, 0, 0, version, 0, 0};
+	if (!sk)
+		return write_check(s) ? write_check(s) : -EINVAL;
+	o.sk_len = strlen(sk);
 	s->sink_rows = true;
-	return write_done(s, run(s, st));
+	return write_op(s, &o);
 }
 
 int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const char *sk,
                       uint32_t version, const char *item_json, const char *error, int64_t now_ms)
 {
-	sqlite3_stmt *st = s->st[ST_DEAD_INSERT];
-	int rc = write_check(s);
-	if (rc)
-		return rc;
-	if ((rc = bind_key(s, ST_DEAD_INSERT, conv, conv_len, sk)) < 0)
-		return write_done(s, rc);
-	if ((rc = sqlite3_bind_int64(st, 3, version)) != SQLITE_OK ||
-	    (rc = bind_text(st, 4, item_json)) != SQLITE_OK ||
-	    (rc = bind_text(st, 5, error ? error : "")) != SQLITE_OK ||
-	    (rc = sqlite3_bind_int64(st, 6, now_ms)) != SQLITE_OK)
-		return write_done(s, fail(s, st, rc));
-	if ((rc = run(s, st)) < 0)
-		return write_done(s, rc);
-	return write_done(s, spool_delete(s, conv, conv_len, sk, version));
+	struct op o = {OPK_DEAD_LETTER, conv, sk, item_json, error ? error : "",
+	               conv_len, 0, 0, 0, version, 0, now_ms};
+	if (!sk)
+		return write_check(s) ? write_check(s) : -EINVAL;
+	o.sk_len = strlen(sk);
+	o.item_len = item_json ? strlen(item_json) : 0;
+	o.error_len = strlen(o.error);
+	return write_op(s, &o);
 }
 
 /* ---- reads ---- */
@@ -1566,12 +2196,6 @@ static int collect_records(struct store *s, const char *conv, size_t conv_len, s
 	if ((rc = pending_collect(&s->cur, conv, conv_len, hash, out)) < 0 ||
 	    (rc = pending_collect(&s->next, conv, conv_len, hash, out)) < 0)
 		return rc;
-	/* Read inside a transaction, its own writes come last. */
-	pos = 0;
-	while (msgrec_next(s->batch.data, s->batch.len, &pos, &r) == 1)
-		if (r.conv_len == conv_len && memcmp(r.conv, conv, conv_len) == 0 &&
-		    cands_push(out, &r) < 0)
-			return -ENOMEM;
 	return 0;
 }
 
@@ -1616,7 +2240,7 @@ out:
 	return rc;
 }
 
-int store_load_conversation(struct store *s, const char *conv, size_t conv_len, struct convo **out)
+static int load_conversation(struct store *s, const char *conv, size_t conv_len, struct convo **out)
 {
 	sqlite3_stmt *st = s->st[ST_CONVERSATION_GET];
 	int64_t updated = 0;
@@ -1637,7 +2261,7 @@ int store_load_conversation(struct store *s, const char *conv, size_t conv_len, 
 	return load_one(s, conv, conv_len, updated, out);
 }
 
-int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg)
+static int load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg)
 {
 	sqlite3_stmt *st = s->st[ST_OPEN_EACH];
 	struct buf id = {NULL, 0, 0};
@@ -1653,7 +2277,7 @@ int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void
 			rc = -ENOMEM;
 			break;
 		}
-		if ((rc = store_load_conversation(s, id.data, len, &c)) < 0)
+		if ((rc = load_conversation(s, id.data, len, &c)) < 0)
 			break;
 		if ((rc = fn(arg, c)) != 0)
 			break;
@@ -1665,10 +2289,10 @@ int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void
 	return rc;
 }
 
-int store_spool_each(struct store *s,
-                     int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
-                               uint32_t version, int64_t enqueued_ms),
-                     void *arg)
+static int spool_each(struct store *s,
+                      int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
+                                uint32_t version, int64_t enqueued_ms),
+                      void *arg)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_EACH];
 	int rc = 0, step;
@@ -1712,24 +2336,6 @@ static bool pending_find(const struct pending *p, const char *conv, size_t conv_
 	return found;
 }
 
-/* The last record of (conv, sk) in the open transaction's batch. */
-static bool batch_find(const struct store *s, const char *conv, size_t conv_len, const char *sk,
-                       size_t sk_len, struct msgrec *out)
-{
-	struct msgrec r;
-	size_t pos = 0;
-	bool found = false;
-
-	while (msgrec_next(s->batch.data, s->batch.len, &pos, &r) == 1) {
-		if (r.conv_len == conv_len && memcmp(r.conv, conv, conv_len) == 0 &&
-		    r.sk_len == sk_len && memcmp(r.sk, sk, sk_len) == 0) {
-			*out = r;
-			found = true;
-		}
-	}
-	return found;
-}
-
 /* The map of record r as the caller's new JSON value. */
 static int record_map(struct store *s, const char *conv, size_t conv_len, const struct msgrec *r,
                       json_t **map, uint32_t *version, int64_t *updated_ms)
@@ -1745,8 +2351,8 @@ static int record_map(struct store *s, const char *conv, size_t conv_len, const 
 	return 0;
 }
 
-int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,
-                      json_t **map, uint32_t *version, int64_t *updated_ms)
+static int message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                       json_t **map, uint32_t *version, int64_t *updated_ms)
 {
 	sqlite3_stmt *st = s->st[ST_SEGMENTS_NEWEST];
 	uint64_t hash;
@@ -1759,8 +2365,7 @@ int store_message_get(struct store *s, const char *conv, size_t conv_len, const 
 		return -EINVAL;
 	hash = siphash13(s->hash_key, (const unsigned char *)conv, conv_len);
 	sk_len = strlen(sk);
-	if (batch_find(s, conv, conv_len, sk, sk_len, &r) ||
-	    pending_find(&s->next, conv, conv_len, hash, sk, sk_len, &r) ||
+	if (pending_find(&s->next, conv, conv_len, hash, sk, sk_len, &r) ||
 	    pending_find(&s->cur, conv, conv_len, hash, sk, sk_len, &r))
 		return record_map(s, conv, conv_len, &r, map, version, updated_ms);
 	/* The newest segment holding the message has its newest version. */
@@ -1786,7 +2391,7 @@ int store_message_get(struct store *s, const char *conv, size_t conv_len, const 
 	return rc;
 }
 
-int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
+static int spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_STATS];
 	int rc = 0, step;
@@ -1824,7 +2429,7 @@ static json_t *dead_letter_json(sqlite3_stmt *st)
 	return o;
 }
 
-int store_dead_letters(struct store *s, size_t limit, json_t **out)
+static int dead_letters(struct store *s, size_t limit, json_t **out)
 {
 	sqlite3_stmt *st = s->st[ST_DEAD_LIST];
 	json_t *arr = NULL;
@@ -1858,89 +2463,96 @@ out:
 	return rc;
 }
 
-/* Writes that callers may run outside a transaction get one of their own. */
-static int own_begin(struct store *s, bool *own)
+/* The reads of store.h: what is committed, between two of the writer's transactions. */
+#define LOCKED(s, call)                                                                    \
+	do {                                                                               \
+		pthread_mutex_lock(&(s)->dbmu);                                            \
+		int locked_rc_ = (call);                                                   \
+		pthread_mutex_unlock(&(s)->dbmu);                                          \
+		return locked_rc_;                                                         \
+	} while (0)
+
+int store_load_conversation(struct store *s, const char *conv, size_t conv_len, struct convo **out)
 {
-	*own = !s->in_txn;
-	return *own ? store_begin(s) : s->txn_err;
+	LOCKED(s, load_conversation(s, conv, conv_len, out));
 }
 
-static int own_end(struct store *s, bool own, int rc)
+int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg)
 {
-	if (!own)
-		return write_done(s, rc);
-	if (rc < 0) {
-		store_rollback(s);
-		return rc;
-	}
-	return store_commit(s);
+	LOCKED(s, load_open(s, fn, arg));
+}
+
+int store_spool_each(struct store *s,
+                     int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
+                               uint32_t version, int64_t enqueued_ms),
+                     void *arg)
+{
+	LOCKED(s, spool_each(s, fn, arg));
+}
+
+int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                      json_t **map, uint32_t *version, int64_t *updated_ms)
+{
+	LOCKED(s, message_get(s, conv, conv_len, sk, map, version, updated_ms));
+}
+
+int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
+{
+	LOCKED(s, spool_stats(s, items, bytes, oldest_ms));
+}
+
+int store_dead_letters(struct store *s, size_t limit, json_t **out)
+{
+	LOCKED(s, dead_letters(s, limit, out));
+}
+
+/* ---- what the writer runs on its own ---- */
+
+/* A job of kind with arg, run to its end; *result is what it counted. */
+static int special(struct store *s, enum job_kind kind, int64_t arg, size_t *result)
+{
+	struct job *j;
+	int rc;
+
+	if (result)
+		*result = 0;
+	if (s->in_txn)
+		return -EINVAL;
+	if (!(j = calloc(1, sizeof(*j))))
+		return -ENOMEM;
+	j->kind = kind;
+	j->arg = arg;
+	rc = job_run_sync(s, j);
+	if (!rc && result)
+		*result = j->result;
+	job_free(j);
+	return rc == -ECANCELED ? -EIO : rc;
 }
 
 int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n)
 {
-	sqlite3_stmt *st = s->st[ST_DEAD_TO_SPOOL];
-	bool own;
-	int rc;
-
-	*n = 0;
-	if ((rc = own_begin(s, &own)) < 0)
-		return rc;
-	if ((rc = sqlite3_bind_int64(st, 1, now_ms)) != SQLITE_OK)
-		rc = fail(s, st, rc);
-	else if ((rc = run(s, st)) == 0 && (rc = run(s, s->st[ST_DEAD_CLEAR])) == 0)
-		*n = (size_t)sqlite3_changes64(s->db);
-	rc = own_end(s, own, rc);
-	if (rc < 0)
-		*n = 0;
-	return rc;
+	return special(s, JOB_RETRY_DEAD, now_ms, n);
 }
 
 int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)
 {
-	int rc;
-
-	*removed = 0;
-	if (s->in_txn)
-		return -EINVAL;
-	/* Pending records of a purged conversation would be folded into segments later. */
-	if ((rc = settle(s)) < 0 || (rc = store_begin(s)) < 0)
-		return rc;
-	for (int i = ST_PURGE_SEGMENTS; !rc && i <= ST_PURGE_CONVERSATIONS; i++) {
-		if ((rc = sqlite3_bind_int64(s->st[i], 1, before_ms)) != SQLITE_OK)
-			rc = fail(s, s->st[i], rc);
-		else
-			rc = run(s, s->st[i]);
-	}
-	if (!rc)
-		*removed = (size_t)sqlite3_changes64(s->db);
-	if (rc < 0) {
-		store_rollback(s);
-		return rc;
-	}
-	rc = store_commit(s);
-	if (rc < 0)
-		*removed = 0;
-	return rc;
+	return special(s, JOB_PURGE, before_ms, removed);
 }
 
 int store_idle(struct store *s)
 {
-	int rc = 0;
+	struct job *j;
 
 	if (s->in_txn)
 		return -EINVAL;
-	if (s->cur.nentries || s->next.nentries)
-		rc = settle(s);
-	if (!rc) {
-		pending_free(&s->cur);
-		pending_free(&s->next);
-		s->cursor = 0;
-	}
 	buf_free(&s->batch);
 	buf_free(&s->json);
-	/* The page cache refills as needed. */
-	sqlite3_db_release_memory(s->db);
-	return rc;
+	buf_free(&s->ops);
+	if (!(j = calloc(1, sizeof(*j))))
+		return -ENOMEM;
+	j->kind = JOB_IDLE;
+	job_queue(s, j);
+	return 0;
 }
 
 bool store_in_transaction(const struct store *s)

@@ -38,14 +38,36 @@ void store_close(struct store *s);
  * current size. 0 or -EIO. */
 int store_set_size_limit(struct store *s, uint64_t max_bytes);
 
-/* One transaction per loop turn. store_begin returns 0, -EINVAL (one is open already),
- * -ENOSPC or -EIO. store_commit writes the turn's message records as one journal row and a
- * step of the fold (a few conversations' segments), then commits; it returns 0, or -ENOSPC
- * (disk full) / -EIO (any other failure) / -ENOMEM after rolling everything of the
- * transaction back; it also fails, and rolls back, when a write of the transaction failed
- * and the caller went on (-EINVAL outside one). */
+/* One transaction per loop turn, written by the store's writer thread. store_begin opens
+ * it (0, or -EINVAL when one is open already); the writes below record into it; nothing is
+ * written before it is handed over. store_rollback forgets it.
+ *
+ * store_submit hands it to the writer and returns at once with its sequence number (1, 2,
+ * ...); the writer writes what is queued in one SQLite transaction with a step of the fold
+ * (a few conversations' segments), in order, and calls wake(arg) after each such commit or
+ * failure (from its own thread: uv_async_send is fine). store_progress says what is done:
+ * everything up to committed is written. After a failure (failed set, error -ENOSPC for a
+ * full disk or -EIO), every transaction submitted and not yet written is void: the caller
+ * puts memory back as the store holds it, then calls store_failure_ack, and what it submits
+ * after that is written again. store_submit returns 0, -EINVAL (none open), or the error of
+ * a write that failed while recording (-ENOMEM; rolled back).
+ *
+ * store_commit hands it over and waits for it: 0, or -ENOSPC / -EIO / -ENOMEM after
+ * everything of it was rolled back (and the failure acknowledged). store_sync waits until
+ * everything submitted before is written (0 or the error). */
 int store_begin(struct store *s);
+int store_submit(struct store *s, uint64_t *seq);
 int store_commit(struct store *s);
+int store_sync(struct store *s);
+struct store_progress {
+	uint64_t submitted; /* the last seq handed over */
+	uint64_t committed; /* the last seq written */
+	bool failed;
+	int error;
+};
+void store_set_wake(struct store *s, void (*wake)(void *arg), void *arg);
+void store_progress(struct store *s, struct store_progress *p);
+void store_failure_ack(struct store *s);
 /* Checkpoints the background thread has run since store_open (WAL copied back into the
  * database file once it holds 1000 pages; the commits never wait for it). */
 uint64_t store_checkpoints(struct store *s);
@@ -53,9 +75,9 @@ void store_rollback(struct store *s); /* no-op outside a transaction */
 /* True between store_begin and the commit or rollback. */
 bool store_in_transaction(const struct store *s);
 
-/* Inside a transaction. Each returns 0 or -ENOSPC / -EIO (the caller then rolls back);
- * -EINVAL outside a transaction or for an argument that cannot be stored. After one write
- * failed, the next ones of the same transaction return the same error without writing. */
+/* Inside a transaction: each records a write of it. 0, -ENOMEM (the transaction then
+ * fails), or -EINVAL outside a transaction or for an argument that cannot be stored. After
+ * one write failed, the next ones of the same transaction return the same error. */
 
 /* Stores this version of message m of conversation conv (key: conversation, sort key of
  * ddbitem_sort_key semantics: the id, or for a summary the last summarized id + "~" + id):
@@ -84,7 +106,8 @@ int store_spool_done(struct store *s, const char *conv, size_t conv_len, const c
 int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const char *sk,
                       uint32_t version, const char *item_json, const char *error, int64_t now_ms);
 
-/* Reads; inside or outside a transaction. */
+/* Reads: what is committed (never the open transaction), between two of the writer's
+ * transactions. */
 
 /* Rebuilds a conversation from its rows (log order = sort-key order, positions recomputed
  * by convo_restore_finish). Each message gets seen[CONSUMER_STORE] = its version,
@@ -117,18 +140,21 @@ int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t
  * limit ones, oldest first. Caller owns *out. 0, -EIO or -ENOMEM. */
 int store_dead_letters(struct store *s, size_t limit, json_t **out);
 /* Moves every dead letter back to the spool (for a retry); several of one message become
- * one spool row with the highest version. *n = dead letters moved. Writes: inside the open
- * transaction, or in one of its own when none is open. 0, -ENOSPC or -EIO. */
+ * one spool row with the highest version. *n = dead letters moved. Outside a transaction
+ * only (-EINVAL inside one): a transaction of its own, after what was submitted before,
+ * waited for. 0, -ENOSPC or -EIO. */
 int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n);
 /* Deletes conversations closed before before_ms that have no spool row, with their
  * messages (dead letters stay). *removed = conversations deleted. Outside a transaction
- * only (-EINVAL inside one): it folds every pending record first, in transactions of its
- * own, then deletes in one. 0, -ENOSPC or -EIO. */
+ * only (-EINVAL inside one): after what was submitted before, it folds every pending
+ * record, in transactions of its own, then deletes in one, and is waited for. 0, -ENOSPC or
+ * -EIO. */
 int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed);
 
-/* For an idle daemon: folds every pending record (in transactions of its own) and frees the
- * memory that held them, the commit's buffers and SQLite's page cache. Outside a transaction only (-EINVAL). 0,
- * or -ENOSPC / -EIO (what is pending stays, and is folded later). */
+/* For an idle daemon: frees the open transaction's buffers, and has the writer fold every
+ * pending record (in transactions of its own) and free the memory that held them and
+ * SQLite's page cache (not waited for; a fold that fails is tried again later). Outside a
+ * transaction only. 0, -EINVAL or -ENOMEM. */
 int store_idle(struct store *s);
 
 #endif

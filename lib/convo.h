@@ -39,6 +39,7 @@ struct convo {
 	 * zeroed by convo_new, never read or written by the library. */
 	unsigned int daemon_flags;
 	struct convo *daemon_next_store, *daemon_next_sink, *daemon_prev_sink;
+	uint64_t daemon_store_seq; /* the last store transaction that wrote it */
 };
 
 /* New empty conversation named id[0..id_len); caller frees with convo_free. NULL on ENOMEM. */

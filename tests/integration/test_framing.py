@@ -334,7 +334,13 @@ def test_client_that_never_reads(daemon_factory):
         assert progress[0] > 400, "the writer did not move on once answers were read"
         assert peak - baseline < 64 * 1024, "RSS grew by %d kB while draining" % (peak - baseline)
     finally:
-        # Leave with requests and answers pending.
+        # Leave with requests and answers pending. shutdown first: a close alone leaves the
+        # socket open while the writer thread is blocked sending on it (the daemon, paused
+        # on this client's unread answers, would see nothing until sendall timed out).
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         s.close()
         t.join(30)
     wait_connections(o, 2)
