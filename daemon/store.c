@@ -1607,11 +1607,14 @@ static void writer_stop(struct store *s)
 	s->writer_started = false;
 }
 
-/* Queues j (owned by the queue from now on, unless sync) and wakes the writer. */
-static void job_queue(struct store *s, struct job *j)
+/* Queues j (owned by the queue from now on, unless sync: do not touch it after) and wakes
+ * the writer. Returns its sequence number. */
+static uint64_t job_queue(struct store *s, struct job *j)
 {
+	uint64_t seq;
+
 	pthread_mutex_lock(&s->qmu);
-	j->seq = ++s->submitted;
+	j->seq = seq = ++s->submitted;
 	if (s->queue_tail)
 		s->queue_tail->next = j;
 	else
@@ -1619,6 +1622,7 @@ static void job_queue(struct store *s, struct job *j)
 	s->queue_tail = j;
 	pthread_cond_signal(&s->qcv);
 	pthread_mutex_unlock(&s->qmu);
+	return seq;
 }
 
 /* Runs j to its end and returns its rc; j stays the caller's. */
@@ -1905,8 +1909,7 @@ int store_submit(struct store *s, uint64_t *seq)
 		return 0;
 	}
 	pthread_mutex_unlock(&s->qmu);
-	job_queue(s, j);
-	*seq = j->seq;
+	*seq = job_queue(s, j);
 	return 0;
 }
 
