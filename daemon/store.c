@@ -33,14 +33,15 @@
  * own automatic checkpoint uses the same 1000, but runs it inside the commit). */
 #define STORE_CHECKPOINT_PAGES 1000
 /* Under continuous writes the thread's checkpoints never catch up with the WAL's end, and
- * SQLite starts the WAL over only after a checkpoint that did. Past this size the loop,
- * right after a commit, waits for the thread's checkpoint to end and runs one itself: it
- * is the only writer and the only checkpointer then, so it copies all the thread has not,
- * and the next commit starts the WAL over. That wait is the back-pressure that bounds the
- * WAL when writes outrun the thread. (Without waiting, the loop's checkpoint got
- * SQLITE_BUSY or rarely found the thread idle, and a RESTART from the thread starved
- * behind the commits: the WAL grew past 100 MB in the store's unit test.) */
-#define STORE_WAL_HARD_PAGES 8000
+ * SQLite starts the WAL over only after a checkpoint that did. Past this size (128 MB) the
+ * writer thread, after a commit, waits for the checkpoint thread's round to end and runs
+ * one itself, with no commit in between: it copies all the thread has not, and the next
+ * commit starts the WAL over. That wait is the back-pressure that bounds the WAL when
+ * writes outrun the thread; the loop meanwhile hands its commits to the writer. (Without
+ * waiting, the checkpoint got SQLITE_BUSY or rarely found the thread idle, and a RESTART
+ * from the thread starved behind the commits: the WAL grew past 100 MB in the store's unit
+ * test.) A larger bound makes these waits rarer, not longer. */
+#define STORE_WAL_HARD_PAGES 32000
 /* Pending records after which a fold cycle starts (see "Messages" below). */
 #define STORE_FOLD_RECORDS 16384
 /* The fold's steps, in transactions of their own while the writer has nothing to write:
@@ -50,6 +51,10 @@
  * records): the back-pressure that bounds the memory pending records take. */
 #define STORE_FOLD_BEHIND (4 * STORE_FOLD_RECORDS)
 #define STORE_FOLD_STEP_MIN 64
+/* At durability process the loop writes a commit itself (no thread wake-up either way)
+ * when the writer has nothing under way and the commit is at most this many records; a
+ * bigger one means a busy loop, which is better off handing it over. */
+#define STORE_INLINE_RECORDS 64
 
 /* Messages. A group commit adds message versions to many conversations at once. Stored
  * one row per message in a table keyed by (conversation, sk), each message dirtied a page
@@ -268,6 +273,7 @@ struct store {
 	uint64_t committed;    /* the highest seq written, in order */
 	bool failed;           /* a write failed, not yet acknowledged by store_failure_ack */
 	bool busy;             /* a job is being written (by the writer or inline) */
+	bool wal_full;         /* a commit of the loop's took the WAL past its bound */
 	enum durability durability;
 	int fail_error;
 	uint64_t void_through; /* jobs up to this seq were queued before an acknowledged failure */
@@ -671,10 +677,20 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 
 	if (pages < STORE_CHECKPOINT_PAGES)
 		return SQLITE_OK;
+	if (pages >= STORE_WAL_HARD_PAGES && s->writer_started &&
+	    !pthread_equal(pthread_self(), s->writer)) {
+		/* The loop wrote this commit itself: the wait below is the writer thread's to
+		 * take (the loop meanwhile hands its commits over instead of blocking). */
+		pthread_mutex_lock(&s->qmu);
+		s->wal_full = true;
+		pthread_cond_signal(&s->qcv);
+		pthread_mutex_unlock(&s->qmu);
+		return SQLITE_OK;
+	}
 	pthread_mutex_lock(&ck->mu);
 	if (pages >= STORE_WAL_HARD_PAGES) {
-		/* The thread fell behind: the loop waits for its checkpoint to end (the
-		 * back-pressure that bounds the WAL), then takes the rest itself. */
+		/* The thread fell behind: the writer (or the thread opening or closing the
+		 * store) waits for its checkpoint to end, then takes the rest itself. */
 		while (ck->running)
 			pthread_cond_wait(&ck->cv, &ck->mu);
 		ck->running = self = true;
@@ -1445,6 +1461,31 @@ static int run_special(struct store *s, struct job *j)
 	return -EINVAL;
 }
 
+/* The WAL went past STORE_WAL_HARD_PAGES in a commit the loop wrote: wait for the
+ * checkpoint thread and run one (wal_hook's hard case) with the connection held, so that
+ * no commit comes in between and the next one starts the WAL over. */
+static void wal_bound(struct store *s)
+{
+	struct checkpointer *ck = &s->ck;
+	int rc;
+
+	/* The thread's round first, commits going on meanwhile; then the rest, which is
+	 * short: only what was committed during that round. */
+	pthread_mutex_lock(&ck->mu);
+	while (ck->running)
+		pthread_cond_wait(&ck->cv, &ck->mu);
+	ck->running = true;
+	pthread_mutex_unlock(&ck->mu);
+	pthread_mutex_lock(&s->dbmu);
+	rc = sqlite3_wal_checkpoint_v2(s->db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
+	pthread_mutex_lock(&ck->mu);
+	ck->running = false;
+	ck->last_rc = rc;
+	pthread_cond_broadcast(&ck->cv);
+	pthread_mutex_unlock(&ck->mu);
+	pthread_mutex_unlock(&s->dbmu);
+}
+
 /* Is there fold work: a cycle under way, or enough pending to start one? (dbmu held) */
 static bool fold_wanted(const struct store *s)
 {
@@ -1490,14 +1531,21 @@ static void *writer_main(void *arg)
 		bool had;
 		int rc = 0;
 
-		/* Between jobs, the fold. */
-		while (fold && !s->queue && !s->stop) {
+		/* Between jobs, the fold, and the checkpoint that bounds the WAL. */
+		while ((s->wal_full || fold) && !s->queue && !s->stop) {
+			bool full = s->wal_full;
+			s->wal_full = false;
 			pthread_mutex_unlock(&s->qmu);
-			fold = fold_idle(s);
+			if (full)
+				wal_bound(s);
+			else
+				fold = fold_idle(s);
 			pthread_mutex_lock(&s->qmu);
 		}
-		while (!s->queue && !s->stop)
+		while (!s->queue && !s->stop && !s->wal_full)
 			pthread_cond_wait(&s->qcv, &s->qmu);
+		if (!s->queue && !s->stop)
+			continue;
 		fold = true;
 		if (!s->queue)
 			break;
@@ -1887,11 +1935,14 @@ int store_submit(struct store *s, uint64_t *seq)
 	/* At durability process a commit is a few writes to the page cache: the loop writes it
 	 * itself when the writer has nothing under way, sparing two thread wake-ups. */
 	pthread_mutex_lock(&s->qmu);
-	if (s->durability != DURABILITY_MACHINE && !s->busy && !s->queue && !s->failed) {
+	if (s->durability != DURABILITY_MACHINE && j->nrecs <= STORE_INLINE_RECORDS &&
+	    !s->busy && !s->queue && !s->failed && !s->wal_full &&
+	    pthread_mutex_trylock(&s->dbmu) == 0) {
+		/* Not while the writer holds the connection (a fold step, a checkpoint): the
+		 * loop does not wait, it hands over. */
 		j->seq = ++s->submitted;
 		s->busy = true;
 		pthread_mutex_unlock(&s->qmu);
-		pthread_mutex_lock(&s->dbmu);
 		rc = write_jobs(s, j);
 		pthread_mutex_unlock(&s->dbmu);
 		pthread_mutex_lock(&s->qmu);
