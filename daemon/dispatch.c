@@ -521,7 +521,6 @@ bool dispatch_progress(struct dispatch *d)
 	if (p.committed <= d->committed)
 		return true;
 	d->committed = p.committed;
-	d->commits++;
 	if (d->store_failing)
 		log_msg(LOG_INFO, "store", "commits succeed again");
 	d->store_failing = false;
@@ -599,13 +598,14 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 		sink_take(d, c, all || now - c->updated_ms >= (int64_t)d->cfg->idle_ms);
 	}
 	dispatch_commit(d, true);
-	/* Nothing committed for a whole tick: let the store fold what it holds in memory, and
-	 * main give the memory back. */
-	if (d->store && d->commits == d->commits_at_tick && !store_in_transaction(d->store)) {
-		if (store_idle(d->store) == 0)
-			d->dropped_since_trim++;
+	/* Nothing committed for a whole tick: let the store fold what it holds in memory and
+	 * give the memory back (once per quiet spell). */
+	if (d->store && d->submitted == d->submitted_at_tick && !store_in_transaction(d->store) &&
+	    !d->idle_done) {
+		store_idle(d->store);
 	}
-	d->commits_at_tick = d->commits;
+	d->idle_done = d->submitted == d->submitted_at_tick;
+	d->submitted_at_tick = d->submitted;
 	/* Outside the turn's transaction: the purge folds pending records first. */
 	if (d->store && d->cfg->closed_retention_days && ++ticks % 3600 == 1 &&
 	    !store_in_transaction(d->store)) {

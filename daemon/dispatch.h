@@ -58,7 +58,8 @@ struct restore_wait;
 struct dispatch {
 	const struct config *cfg; /* borrowed */
 	size_t dropped_since_trim; /* conversations freed since main last ran malloc_trim */
-	uint64_t commits, commits_at_tick; /* successful commits, and at the last flush tick */
+	uint64_t submitted_at_tick; /* d->submitted at the last flush tick */
+	bool idle_done;             /* no commit since the store was told it is idle */
 	struct registry reg;
 	struct stats stats;
 	struct ulid_gen ulid;

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <sqlite3.h>
 #include <stdarg.h>
@@ -1421,8 +1422,10 @@ static int run_special(struct store *s, struct job *j)
 			pending_free(&s->next);
 			s->cursor = 0;
 		}
-		/* The page cache refills as needed. */
+		/* The page cache refills as needed; what was freed goes back to the system
+		 * now, not at the loop's next malloc_trim. */
 		sqlite3_db_release_memory(s->db);
+		malloc_trim(0);
 		return rc;
 	case JOB_RETRY_DEAD: {
 		sqlite3_stmt *st = s->st[ST_DEAD_TO_SPOOL];
