@@ -1231,6 +1231,15 @@ static enum find_result find_convo(struct dispatch *d, enum op op, const char *c
 	return FIND_OK;
 }
 
+/* What an op runs with: the id generator, the time, the limits. */
+static void env_of(struct dispatch *d, struct convo_env *env)
+{
+	env->ulid = &d->ulid;
+	env->now_ms = dispatch_now_ms();
+	env->limits.max_messages = d->cfg->max_messages;
+	env->limits.max_bytes = d->cfg->max_conversation_bytes;
+}
+
 /* The fast path: add_user, add_assistant and add_message without metadata, the bulk of the
  * traffic, read with jscan instead of jansson (no tree, no allocation) and answered
  * without a result tree. It handles only requests that will succeed as far as can be told
@@ -1363,10 +1372,7 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 		convo_free(c);
 		return false;
 	}
-	env.ulid = &d->ulid;
-	env.now_ms = dispatch_now_ms();
-	env.limits.max_messages = d->cfg->max_messages;
-	env.limits.max_bytes = d->cfg->max_conversation_bytes;
+	env_of(d, &env);
 	args.texts = texts;
 	args.lens = lens;
 	args.ntexts = ntexts;
@@ -1643,10 +1649,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto fail;
 	}
 
-	env.ulid = &d->ulid;
-	env.now_ms = dispatch_now_ms();
-	env.limits.max_messages = d->cfg->max_messages;
-	env.limits.max_bytes = d->cfg->max_conversation_bytes;
+	env_of(d, &env);
 	/* A new conversation is registered first: nothing may fail once the answer is out. */
 	if (created && registry_put(&d->reg, c) < 0) {
 		convo_free(c);

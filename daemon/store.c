@@ -1918,12 +1918,13 @@ static struct job *take_transaction(struct store *s)
 	return j;
 }
 
-int store_submit(struct store *s, uint64_t *seq)
+/* The open transaction as a job, for store_submit and store_commit; when it cannot be,
+ * it is rolled back and the error returned. */
+static int take_open(struct store *s, struct job **out)
 {
-	struct job *j;
 	int rc;
 
-	*seq = 0;
+	*out = NULL;
 	if (!s->in_txn)
 		return -EINVAL;
 	if (s->txn_err) {
@@ -1931,10 +1932,21 @@ int store_submit(struct store *s, uint64_t *seq)
 		store_rollback(s);
 		return rc;
 	}
-	if (!(j = take_transaction(s))) {
+	if (!(*out = take_transaction(s))) {
 		store_rollback(s);
 		return -ENOMEM;
 	}
+	return 0;
+}
+
+int store_submit(struct store *s, uint64_t *seq)
+{
+	struct job *j;
+	int rc;
+
+	*seq = 0;
+	if ((rc = take_open(s, &j)) < 0)
+		return rc;
 	/* At durability process a commit is a few writes to the page cache: the loop writes it
 	 * itself when the writer has nothing under way, sparing two thread wake-ups. */
 	pthread_mutex_lock(&s->qmu);
@@ -1972,17 +1984,8 @@ int store_commit(struct store *s)
 	struct job *j;
 	int rc;
 
-	if (!s->in_txn)
-		return -EINVAL;
-	if (s->txn_err) {
-		rc = s->txn_err;
-		store_rollback(s);
+	if ((rc = take_open(s, &j)) < 0)
 		return rc;
-	}
-	if (!(j = take_transaction(s))) {
-		store_rollback(s);
-		return -ENOMEM;
-	}
 	rc = job_run_sync(s, j);
 	job_free(j);
 	if (rc < 0) {

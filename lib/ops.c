@@ -542,39 +542,6 @@ static bool delivered(const json_t *result, ops_emit_fn emit, void *emit_arg)
 	return !emit || emit(emit_arg, result, NULL, NULL) >= 0;
 }
 
-static enum error_code run_add(enum op op, struct convo *c, const struct convo_env *env,
-                               const json_t *req, json_t **result, bool *changed, struct error *err,
-                               ops_emit_fn emit, void *emit_arg)
-{
-	struct contents ct;
-	struct metadata_patch patch;
-	struct message *m = NULL;
-	struct undo u;
-	enum role role = op == OP_ADD_ASSISTANT ? ROLE_ASSISTANT : ROLE_USER;
-	enum error_code rc;
-	bool merged = false;
-
-	ct.texts = ct.small_texts;
-	ct.lens = ct.small_lens;
-	if ((op == OP_ADD_MESSAGE && (rc = role_parse(req, &role, err))) ||
-	    (rc = contents_parse(req, &ct, err)) || (rc = metadata_parse(req, &patch, err)))
-		goto out;
-	undo_save(&u, c, c->nlog ? c->log[c->nlog - 1] : NULL);
-	rc = convo_add(c, env, role, ct.texts, ct.lens, ct.n, &patch, &m, &merged, err);
-	if (!rc && !delivered(*result = message_result(m, &merged), emit, emit_arg)) {
-		json_decref(*result);
-		*result = NULL;
-		undo_apply(&u, c);
-		rc = error_set(err, ERR_INTERNAL, "out of memory");
-	}
-	undo_release(&u);
-	if (!rc && changed)
-		*changed = true;
-out:
-	contents_free(&ct);
-	return rc;
-}
-
 struct add_result {
 	const struct message *m;
 	bool merged;
@@ -591,14 +558,72 @@ static int write_add_result(struct buf *b, const void *ctx)
 	                 : buf_append(b, ",\"merged\":false}", 16);
 }
 
+/* Adds the non-blank contents ct (with patch, which may be NULL) and delivers the result:
+ * written through emit when given (no tree), else as a tree into *result (ops_run). When
+ * it cannot be delivered the add is undone and ERR_INTERNAL returned. */
+static enum error_code add_deliver(struct convo *c, const struct convo_env *env, enum role role,
+                                   const struct contents *ct, const struct metadata_patch *patch,
+                                   json_t **result, bool *changed, struct error *err,
+                                   ops_emit_fn emit, void *emit_arg)
+{
+	struct add_result r = {NULL, false};
+	struct message *m = NULL;
+	struct undo u;
+	enum error_code rc;
+	bool ok;
+
+	undo_save(&u, c, c->nlog ? c->log[c->nlog - 1] : NULL);
+	rc = convo_add(c, env, role, ct->texts, ct->lens, ct->n, patch, &m, &r.merged, err);
+	r.m = m;
+	if (!rc) {
+		if (emit) {
+			/* Not written at all when jansson lost something (metadata's aux). */
+			ok = !ops_json_alloc_failed() &&
+			     emit(emit_arg, NULL, write_add_result, &r) >= 0;
+		} else {
+			*result = message_result(m, &r.merged);
+			ok = *result && !ops_json_alloc_failed();
+			if (!ok) {
+				json_decref(*result);
+				*result = NULL;
+			}
+		}
+		if (!ok) {
+			undo_apply(&u, c);
+			rc = error_set(err, ERR_INTERNAL, "out of memory");
+		}
+	}
+	undo_release(&u);
+	if (!rc && changed)
+		*changed = true;
+	return rc;
+}
+
+static enum error_code run_add(enum op op, struct convo *c, const struct convo_env *env,
+                               const json_t *req, json_t **result, bool *changed, struct error *err,
+                               ops_emit_fn emit, void *emit_arg)
+{
+	struct contents ct;
+	struct metadata_patch patch;
+	enum role role = op == OP_ADD_ASSISTANT ? ROLE_ASSISTANT : ROLE_USER;
+	enum error_code rc;
+
+	ct.texts = ct.small_texts;
+	ct.lens = ct.small_lens;
+	if ((op == OP_ADD_MESSAGE && (rc = role_parse(req, &role, err))) ||
+	    (rc = contents_parse(req, &ct, err)) || (rc = metadata_parse(req, &patch, err)))
+		goto out;
+	rc = add_deliver(c, env, role, &ct, &patch, result, changed, err, emit, emit_arg);
+out:
+	contents_free(&ct);
+	return rc;
+}
+
 enum error_code ops_add_direct(struct convo *c, const struct convo_env *env,
                                const struct ops_add_args *a, ops_emit_fn emit, void *emit_arg,
                                bool *changed, struct error *err)
 {
 	struct contents ct;
-	struct add_result r = {NULL, false};
-	struct message *m = NULL;
-	struct undo u;
 	enum error_code rc = ERR_OK;
 
 	ct.texts = ct.small_texts;
@@ -606,6 +631,7 @@ enum error_code ops_add_direct(struct convo *c, const struct convo_env *env,
 	ct.n = 0;
 	if (changed)
 		*changed = false;
+	ops_json_alloc_reset();
 	if (a->ntexts > SMALL) {
 		ct.texts = malloc(a->ntexts * sizeof(*ct.texts));
 		ct.lens = malloc(a->ntexts * sizeof(*ct.lens));
@@ -628,16 +654,7 @@ enum error_code ops_add_direct(struct convo *c, const struct convo_env *env,
 		rc = error_set(err, ERR_BAD_REQUEST, "contents: expected at least one non-blank string");
 		goto out;
 	}
-	undo_save(&u, c, c->nlog ? c->log[c->nlog - 1] : NULL);
-	rc = convo_add(c, env, a->role, ct.texts, ct.lens, ct.n, NULL, &m, &r.merged, err);
-	r.m = m;
-	if (!rc && emit(emit_arg, NULL, write_add_result, &r) < 0) {
-		undo_apply(&u, c);
-		rc = error_set(err, ERR_INTERNAL, "out of memory");
-	}
-	undo_release(&u);
-	if (!rc && changed)
-		*changed = true;
+	rc = add_deliver(c, env, a->role, &ct, NULL, NULL, changed, err, emit, emit_arg);
 out:
 	contents_free(&ct);
 	return rc;
