@@ -12,6 +12,9 @@
 #include "log.h"
 #include "ops.h"
 
+#define DISPATCH_PURGE_FIRST_MS 60000   /* the first retention purge after the start */
+#define DISPATCH_PURGE_EVERY_MS 3600000 /* and the next ones */
+
 int64_t dispatch_now_ms(void)
 {
 	struct timespec ts;
@@ -53,6 +56,7 @@ int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *st
 	ulid_gen_init(&d->ulid, seed);
 	registry_init(&d->reg, seed + 32);
 	d->stats.started_ms = (uint64_t)dispatch_now_ms();
+	d->purge_due_ms = dispatch_now_ms() + DISPATCH_PURGE_FIRST_MS;
 	return 0;
 }
 
@@ -591,7 +595,7 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 {
 	int64_t now = dispatch_now_ms();
 	struct convo *c, *next;
-	static uint64_t ticks;
+	bool quiet;
 
 	for (c = d->sink_dirty; c; c = next) {
 		next = c->daemon_next_sink;
@@ -600,17 +604,19 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 	dispatch_commit(d, true);
 	/* Nothing committed for a whole tick: let the store fold what it holds in memory and
 	 * give the memory back (once per quiet spell). */
-	if (d->store && d->submitted == d->submitted_at_tick && !store_in_transaction(d->store) &&
-	    !d->idle_done) {
+	quiet = d->submitted == d->submitted_at_tick && d->store && !store_in_transaction(d->store);
+	if (quiet && !d->idle_done)
 		store_idle(d->store);
-	}
-	d->idle_done = d->submitted == d->submitted_at_tick;
+	d->idle_done = quiet;
 	d->submitted_at_tick = d->submitted;
-	/* Outside the turn's transaction: the purge folds pending records first. */
-	if (d->store && d->cfg->closed_retention_days && ++ticks % 3600 == 1 &&
+	/* The retention purge, about hourly: it folds every pending record first and is waited
+	 * for, so it runs in a quiet tick, unless it is an hour overdue. */
+	if (d->store && d->cfg->closed_retention_days && now >= d->purge_due_ms &&
+	    (quiet || now >= d->purge_due_ms + DISPATCH_PURGE_EVERY_MS) &&
 	    !store_in_transaction(d->store)) {
 		size_t removed = 0;
 		int64_t before = now - (int64_t)d->cfg->closed_retention_days * 86400000;
+		d->purge_due_ms = now + DISPATCH_PURGE_EVERY_MS;
 		if (store_purge_closed(d->store, before, &removed) == 0 && removed)
 			log_msg(LOG_INFO, "store",
 			        "removed %zu closed conversations past retention", removed);
