@@ -93,6 +93,14 @@ static void on_closed(uv_handle_t *h)
 		s->conns = c->next;
 	if (c->next)
 		c->next->prev = c->prev;
+	/* Still waiting for a commit: off that list too (it lives across loop turns). */
+	if (c->on_held) {
+		struct conn **pp = &s->held;
+		while (*pp && *pp != c)
+			pp = &(*pp)->next_held;
+		if (*pp)
+			*pp = c->next_held;
+	}
 	s->nconns--;
 	s->dispatch->stats.connections_current = s->nconns;
 	framer_free(&c->fr);
@@ -448,8 +456,10 @@ static void conn_fail_deps(struct conn *c)
 	conn_mark_dirty(c);
 }
 
-/* End of a loop turn: one commit for every mutation of the turn, then the answers. */
-/* After a failed commit: every connection's dependent answers not yet written. */
+static void server_release(struct server *s);
+
+/* After a failed commit, once what was written before it is released: every connection's
+ * dependent answers not yet written depended on a failed or void transaction. */
 static void server_failed(struct server *s)
 {
 	s->failures_seen = s->dispatch->failures;
@@ -460,6 +470,7 @@ static void server_failed(struct server *s)
 		conn_fail_deps(c);
 }
 
+/* End of a loop turn: one commit for every mutation of the turn, then the answers. */
 static void server_turn(struct server *s)
 {
 	struct conn *c, *next;
@@ -472,8 +483,10 @@ static void server_turn(struct server *s)
 
 		if (dispatch_pending_commit(s->dispatch))
 			dispatch_commit(s->dispatch, false);
-		if (s->dispatch->failures != s->failures_seen)
+		if (s->dispatch->failures != s->failures_seen) {
+			server_release(s);
 			server_failed(s);
+		}
 		hold = dispatch_hold(s->dispatch);
 		for (c = s->dirty, s->dirty = NULL; c; c = next) {
 			next = c->next_dirty;
@@ -494,47 +507,50 @@ static void server_turn(struct server *s)
 	} while (s->dirty);
 }
 
-void server_progress(struct server *s)
+/* Writes what waited for transactions up to d->committed. */
+static void server_release(struct server *s)
 {
 	struct dispatch *d = s->dispatch;
 	struct conn *c, *next;
 
-	if (!dispatch_progress(d) || d->failures != s->failures_seen) {
-		server_failed(s);
-	} else {
-		/* Release what is written. */
-		for (c = s->held, s->held = NULL; c; c = next) {
-			size_t n = 0, k = 0;
-			next = c->next_held;
-			c->next_held = NULL;
-			c->on_held = false;
-			if (c->closing)
-				continue;
-			while (k < c->nholds && c->holds[k].seq <= d->committed)
-				n = c->holds[k++].end;
-			for (size_t i = 0; i < c->ndeps && c->deps[i].start < n; i++)
-				c->deps[i].seq = 0; /* written: nothing to fail any more */
-			{
-				/* Drop the released holds and deps before writing. */
-				size_t j = 0;
-				for (size_t i = 0; i < c->ndeps; i++)
-					if (c->deps[i].start >= n)
-						c->deps[j++] = c->deps[i];
-				c->ndeps = j;
-			}
-			memmove(c->holds, c->holds + k, (c->nholds - k) * sizeof(*c->holds));
-			c->nholds -= k;
-			if (c->nholds) {
-				c->on_held = true;
-				c->next_held = s->held;
-				s->held = c;
-			}
-			conn_write_prefix(c, n);
-			if (!c->closing && c->queued == 0 && !c->nholds)
-				conn_resume(c);
-			conn_close_if_done(c);
+	for (c = s->held, s->held = NULL; c; c = next) {
+		size_t n = 0, k = 0, j = 0;
+		next = c->next_held;
+		c->next_held = NULL;
+		c->on_held = false;
+		if (c->closing)
+			continue;
+		while (k < c->nholds && c->holds[k].seq <= d->committed)
+			n = c->holds[k++].end;
+		/* The released answers are written: nothing of them can fail any more. */
+		for (size_t i = 0; i < c->ndeps; i++)
+			if (c->deps[i].start >= n)
+				c->deps[j++] = c->deps[i];
+		c->ndeps = j;
+		memmove(c->holds, c->holds + k, (c->nholds - k) * sizeof(*c->holds));
+		c->nholds -= k;
+		if (c->nholds) {
+			c->on_held = true;
+			c->next_held = s->held;
+			s->held = c;
 		}
+		conn_write_prefix(c, n);
+		if (!c->closing && c->queued == 0 && !c->nholds)
+			conn_resume(c);
+		conn_close_if_done(c);
 	}
+}
+
+void server_progress(struct server *s)
+{
+	struct dispatch *d = s->dispatch;
+	bool ok = dispatch_progress(d);
+
+	/* What was written before a failure is answered as written; what depended on the
+	 * failed transactions (everything after the last one written) becomes unavailable. */
+	server_release(s);
+	if (!ok || d->failures != s->failures_seen)
+		server_failed(s);
 	server_turn(s);
 }
 

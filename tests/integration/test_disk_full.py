@@ -91,8 +91,15 @@ def test_disk_full_with_commits_in_flight(daemon_factory, small_fs):
         c.ok({"op": "add_user", "conversation": "inflight-%d" % k, "contents": "start"})
     filler = fill(small_fs)
     os.unlink(filler)  # about 2 MB free again: the burst below fills it
+    # Space comes back in steps: each time the disk fills, a spare goes, so that commits
+    # fail and succeed again several times, with others in flight around each failure.
+    spares = []
+    for i in range(5):
+        spares.append(os.path.join(small_fs, "spare-%d" % i))
+        with open(spares[-1], "wb") as f:
+            f.write(b"\2" * 150000)
     ok, refused = set(), set()
-    for rnd in range(12):
+    for rnd in range(20):
         for k, c in enumerate(conns):
             for j in range(4):
                 role = "assistant" if j % 2 == 0 else "user"
@@ -109,6 +116,8 @@ def test_disk_full_with_commits_in_flight(daemon_factory, small_fs):
                     assert r["error"]["code"] == "unavailable", r
                     assert r["id"] == "%d-%d" % (rnd, j)
                     refused.add(text)
+                    if spares:
+                        os.unlink(spares.pop())
     assert refused, "the disk never filled"
     assert ok, "nothing was accepted"
 

@@ -248,6 +248,42 @@ def vm_rss_kb(pid):
     raise AssertionError("no VmRSS for %d" % pid)
 
 
+@pytest.mark.parametrize("durability", ["process", "machine"])
+def test_disconnect_while_answers_wait_for_their_commit(daemon_factory, durability):
+    """Clients pipeline adds and leave at once, while their answers wait for the commit (at
+    machine it is always the writer thread's): the daemon drops those answers and goes on;
+    the changes whose lines arrived whole are kept; others are served throughout."""
+    d = daemon_factory(["--durability", durability])
+    other = d.connect()
+    sent = 0
+    for k in range(30):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(d.socket)
+        s.sendall(b"".join(frame({"op": "add_user" if i % 2 == 0 else "add_assistant",
+                                  "conversation": "leaver-%d" % (k % 3),
+                                  "contents": "k%d-%d" % (k, i)}) for i in range(40)))
+        sent += 40
+        if k % 2:
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
+        assert other.ok({"op": "add_user", "conversation": "stayer-%d" % k,
+                         "contents": "still here"})["merged"] is False
+    # Every whole line was answered or dropped, never half applied: all 1200 adds are in.
+    deadline = time.time() + 20
+    while True:
+        n = sum(len(other.ok({"op": "to_messages_map", "conversation": "leaver-%d" % j,
+                               "incremental": False})["messages"]) for j in range(3))
+        texts = sum(sum(len(m["message"]["contents"]) for m in other.ok(
+            {"op": "to_messages_map", "conversation": "leaver-%d" % j,
+             "incremental": False})["messages"]) for j in range(3))
+        if texts == sent or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert texts == sent, (texts, sent, n)
+    assert other.ok({"op": "ping"})["pong"] is True
+    assert d.stop() == 0, d.log()
+
+
 def test_client_that_never_reads(daemon_factory):
     """A client pipelines describes of a ~100 KB conversation, ~200 MB of answers in all,
     and does not read: reading pauses once --max-output-bytes is queued, so the daemon's
