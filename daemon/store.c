@@ -275,6 +275,7 @@ struct store {
 	bool failed;           /* a write failed, not yet acknowledged by store_failure_ack */
 	bool busy;             /* a job is being written (by the writer or inline) */
 	bool wal_full;         /* a commit of the loop's took the WAL past its bound */
+	bool idle_wanted;      /* store_idle: fold everything, then give memory back */
 	enum durability durability;
 	int fail_error;
 	uint64_t void_through; /* jobs up to this seq were queued before an acknowledged failure */
@@ -1331,7 +1332,7 @@ static int op_apply(struct store *s, const struct op *o)
  * store_progress. Jobs are committed in the order they were submitted. The connection and
  * the pending records are the writer's while it writes (dbmu); the loop's reads take dbmu
  * too, between two of the writer's transactions. */
-enum job_kind { JOB_WRITE = 0, JOB_IDLE, JOB_RETRY_DEAD, JOB_PURGE };
+enum job_kind { JOB_WRITE = 0, JOB_RETRY_DEAD, JOB_PURGE };
 
 struct job {
 	struct job *next;
@@ -1414,19 +1415,6 @@ static int run_special(struct store *s, struct job *j)
 	int rc = 0;
 
 	switch (j->kind) {
-	case JOB_IDLE:
-		if (s->cur.nentries || s->next.nentries)
-			rc = settle(s);
-		if (!rc) {
-			pending_free(&s->cur);
-			pending_free(&s->next);
-			s->cursor = 0;
-		}
-		/* The page cache refills as needed; what was freed goes back to the system
-		 * now, not at the loop's next malloc_trim. */
-		sqlite3_db_release_memory(s->db);
-		malloc_trim(0);
-		return rc;
 	case JOB_RETRY_DEAD: {
 		sqlite3_stmt *st = s->st[ST_DEAD_TO_SPOOL];
 		if ((rc = tx_begin(s)) < 0)
@@ -1489,26 +1477,45 @@ static void wal_bound(struct store *s)
 	pthread_mutex_unlock(&s->dbmu);
 }
 
-/* Is there fold work: a cycle under way, or enough pending to start one? (dbmu held) */
-static bool fold_wanted(const struct store *s)
+/* Is there fold work: a cycle under way, or enough pending to start one (or anything pending
+ * at all)? (dbmu held) */
+static bool fold_wanted(const struct store *s, bool all)
 {
-	return s->cursor < s->cur.nconvs || s->next.nentries >= STORE_FOLD_RECORDS;
+	return s->cursor < s->cur.nconvs || s->next.nentries >= STORE_FOLD_RECORDS ||
+	       (all && s->next.nentries);
 }
 
-/* A step of the fold in a transaction of its own, while no job waits. It is not synced, even
+/* The daemon is idle and everything pending is folded: the memory that held it and SQLite's
+ * page cache go back to the system. */
+static void idle_release(struct store *s)
+{
+	pthread_mutex_lock(&s->dbmu);
+	if (!s->cur.nentries && !s->next.nentries) {
+		pending_free(&s->cur);
+		pending_free(&s->next);
+		s->cursor = 0;
+	}
+	/* The page cache refills as needed. */
+	sqlite3_db_release_memory(s->db);
+	pthread_mutex_unlock(&s->dbmu);
+	malloc_trim(0);
+}
+
+/* A step of the fold (of everything pending when all is set) in a transaction of its own,
+ * while no job waits. It is not synced, even
  * at durability machine: the journal rows it folds stay until a later transaction deletes
  * them, so a fold lost to a power cut is folded again. A failure (a full disk) is tried
  * again later. Returns whether there is more to fold. */
-static bool fold_idle(struct store *s)
+static bool fold_idle(struct store *s, bool all)
 {
 	bool more;
 
 	pthread_mutex_lock(&s->dbmu);
-	if ((more = fold_wanted(s))) {
+	if ((more = fold_wanted(s, all))) {
 		if (s->durability == DURABILITY_MACHINE)
 			sqlite3_exec(s->db, "PRAGMA synchronous=NORMAL", NULL, NULL, NULL);
 		if (tx_begin(s) == 0) {
-			if (fold_step(s, STORE_FOLD_IDLE_STEP, false) < 0) {
+			if (fold_step(s, STORE_FOLD_IDLE_STEP, all) < 0) {
 				tx_rollback(s);
 				more = false;
 			} else if (tx_commit(s) < 0) {
@@ -1517,7 +1524,7 @@ static bool fold_idle(struct store *s)
 		}
 		if (s->durability == DURABILITY_MACHINE)
 			sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL);
-		more = more && fold_wanted(s);
+		more = more && fold_wanted(s, all);
 	}
 	pthread_mutex_unlock(&s->dbmu);
 	return more;
@@ -1534,18 +1541,24 @@ static void *writer_main(void *arg)
 		bool had;
 		int rc = 0;
 
-		/* Between jobs, the fold, and the checkpoint that bounds the WAL. */
-		while ((s->wal_full || fold) && !s->queue && !s->stop) {
-			bool full = s->wal_full;
+		/* Between jobs, in steps short enough for a job not to wait long: the checkpoint
+		 * that bounds the WAL, the fold, and for an idle daemon the rest of the fold and
+		 * giving memory back. */
+		while ((s->wal_full || fold || s->idle_wanted) && !s->queue && !s->stop) {
+			bool full = s->wal_full, idle = s->idle_wanted;
 			s->wal_full = false;
 			pthread_mutex_unlock(&s->qmu);
-			if (full)
+			if (full) {
 				wal_bound(s);
-			else
-				fold = fold_idle(s);
+			} else if (!(fold = fold_idle(s, idle)) && idle) {
+				idle_release(s);
+				pthread_mutex_lock(&s->qmu);
+				s->idle_wanted = false;
+				pthread_mutex_unlock(&s->qmu);
+			}
 			pthread_mutex_lock(&s->qmu);
 		}
-		while (!s->queue && !s->stop && !s->wal_full)
+		while (!s->queue && !s->stop && !s->wal_full && !s->idle_wanted)
 			pthread_cond_wait(&s->qcv, &s->qmu);
 		if (!s->queue && !s->stop)
 			continue;
@@ -2601,17 +2614,15 @@ int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)
 
 int store_idle(struct store *s)
 {
-	struct job *j;
-
 	if (s->in_txn)
 		return -EINVAL;
 	buf_free(&s->batch);
 	buf_free(&s->json);
 	buf_free(&s->ops);
-	if (!(j = calloc(1, sizeof(*j))))
-		return -ENOMEM;
-	j->kind = JOB_IDLE;
-	job_queue(s, j);
+	pthread_mutex_lock(&s->qmu);
+	s->idle_wanted = true;
+	pthread_cond_signal(&s->qcv);
+	pthread_mutex_unlock(&s->qmu);
 	return 0;
 }
 
