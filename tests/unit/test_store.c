@@ -1530,6 +1530,21 @@ static void test_async(void)
 		convo_free(l);
 		l = NULL;
 	}
+
+	/* Idle: the writer folds what is pending (the journal empties), in its own time. */
+	CHECK(count_rows(dir, "batches") > 0);
+	CHECK(store_begin(s) == 0 && store_idle(s) == -EINVAL);
+	store_rollback(s);
+	CHECK(store_idle(s) == 0);
+	for (int t = 0; t < 200 && count_rows(dir, "batches") != 0; t++)
+		usleep(10000);
+	CHECK(count_rows(dir, "batches") == 0);
+	for (int i = 0; i < 4; i++) {
+		CHECK(store_load_conversation(s, c[i]->id, c[i]->id_len, &l) == 0);
+		CHECK(l && l->nlog == c[i]->nlog);
+		convo_free(l);
+		l = NULL;
+	}
 	store_close(s);
 	for (int i = 0; i < 4; i++)
 		convo_free(c[i]);
