@@ -33,6 +33,9 @@
 /* WAL pages after which the checkpointer thread copies the WAL into the database (SQLite's
  * own automatic checkpoint uses the same 1000, but runs it inside the commit). */
 #define STORE_CHECKPOINT_PAGES 1000
+/* At durability machine the checkpoint's syncs compete with the commits' for the disk:
+ * fewer, larger rounds (84k -> 89k req/s in paired runs at 50 connections). */
+#define STORE_CHECKPOINT_PAGES_MACHINE 4000
 /* Under continuous writes the thread's checkpoints never catch up with the WAL's end, and
  * SQLite starts the WAL over only after a checkpoint that did. Past this size (128 MB) the
  * writer thread, after a commit, waits for the checkpoint thread's round to end and runs
@@ -677,7 +680,8 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 
 	bool self = false;
 
-	if (pages < STORE_CHECKPOINT_PAGES)
+	if (pages < (s->durability == DURABILITY_MACHINE ? STORE_CHECKPOINT_PAGES_MACHINE
+	                                                 : STORE_CHECKPOINT_PAGES))
 		return SQLITE_OK;
 	if (pages >= STORE_WAL_HARD_PAGES && s->writer_started &&
 	    !pthread_equal(pthread_self(), s->writer)) {

@@ -69,7 +69,8 @@ void store_set_wake(struct store *s, void (*wake)(void *arg), void *arg);
 void store_progress(struct store *s, struct store_progress *p);
 void store_failure_ack(struct store *s);
 /* Checkpoints the background thread has run since store_open (WAL copied back into the
- * database file once it holds 1000 pages; the commits never wait for it). */
+ * database file once it holds 1000 pages, 4000 at durability machine; the commits never
+ * wait for it). */
 uint64_t store_checkpoints(struct store *s);
 void store_rollback(struct store *s); /* no-op outside a transaction */
 /* True between store_begin and the commit or rollback. */
