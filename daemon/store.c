@@ -557,6 +557,13 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 	                  NULL, NULL, NULL);
 	if (rc != SQLITE_OK)
 		goto not_ours;
+	/* Debian builds SQLite with secure_delete on: every deleted row, and every page a
+	 * delete frees, is overwritten with zeros, so each folded batch was written to the WAL
+	 * a second time as zeros (0.18 -> 0.12 WAL pages per record folded; 357k -> 395k
+	 * req/s at a pipeline of 16, 126k -> 146k without). FAST still zeros deleted rows in
+	 * their b-tree pages, but not pages going to the free list (convod(8) says so). */
+	if ((rc = sqlite3_exec(db, "PRAGMA secure_delete=FAST", NULL, NULL, NULL)) != SQLITE_OK)
+		goto not_ours;
 	if (version == 0) {
 		if ((rc = query_one(db, "SELECT count(*) FROM sqlite_schema", &tables, NULL, 0)) !=
 		    SQLITE_OK)
