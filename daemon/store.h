@@ -153,9 +153,9 @@ int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n);
 int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed);
 
 /* For an idle daemon: frees the open transaction's buffers, and has the writer fold every
- * pending record (in short transactions of its own, between jobs) and then free the memory
- * that held them and SQLite's page cache (not waited for; a fold that fails is tried again
- * later). Outside a transaction only. 0 or -EINVAL. */
+ * pending record (in short transactions of its own, between jobs), then free the memory
+ * that held them and SQLite's page cache, and have the WAL checkpointed (not waited for; a
+ * fold that fails is tried again later). Outside a transaction only. 0 or -EINVAL. */
 int store_idle(struct store *s);
 
 #endif
