@@ -38,6 +38,9 @@ void store_close(struct store *s);
  * current size. 0 or -EIO. */
 int store_set_size_limit(struct store *s, uint64_t max_bytes);
 
+/* For tests: the pending records that start a fold cycle (default 65536; at least 1). */
+void store_set_fold_records(struct store *s, size_t n);
+
 /* One transaction per loop turn, written by the store's writer thread. store_begin opens
  * it (0, or -EINVAL when one is open already); the writes below record into it; nothing is
  * written before it is handed over. store_rollback forgets it.

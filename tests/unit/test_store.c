@@ -1048,7 +1048,7 @@ static void write_old_store(const char *dir, const struct convo *c, int version)
 }
 
 /* Message records go to one journal row per commit and stay pending in memory; a fold
- * cycle starts once STORE_FOLD_RECORDS (16384) are pending, writes one segment per
+ * cycle starts once so many are pending (16384 here, 65536 by default), writes one segment per
  * conversation a few conversations after each commit, and deletes its journal rows at its
  * end. Reads merge segments, pending records and the open transaction's, the newest version
  * of each message winning. close folds everything; a crash leaves journal rows that the
@@ -1070,6 +1070,7 @@ static void test_journal(void)
 	make_dir(dir, sizeof(dir), "journal");
 	if (!(s = open_store(dir)))
 		return;
+	store_set_fold_records(s, 16384);
 	c = small(&env, "j", 2);
 	CHECK(save(s, c) == 2);
 	CHECK(count_rows(dir, "batches") == 1 && count_rows(dir, "segments") == 0);
