@@ -51,7 +51,7 @@
 /* Pending records after which a fold cycle starts (see "Messages" below). A segment per
  * conversation and cycle costs about a page of WAL beyond its records (the index, the
  * table's inner pages), so fewer, longer segments write less: 16384 -> 65536 at 1000
- * conversations, 0.12 -> 0.08 WAL pages per record folded, and in paired runs at a
+ * conversations, 0.12 -> 0.09 WAL pages per record folded, and in paired runs at a
  * pipeline of 16, 442k -> 489k req/s (medians of 4). Pending records then take up to
  * about 35 MB, 70 MB when the fold falls behind (STORE_FOLD_BEHIND). */
 #define STORE_FOLD_RECORDS 65536
