@@ -14,9 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -64,16 +62,6 @@
  * records): the back-pressure that bounds the memory pending records take. */
 #define STORE_FOLD_BEHIND(s) (4 * (s)->fold_records)
 #define STORE_FOLD_STEP_MIN 64
-/* How much lower than the daemon's the store's threads run (nice values: on Linux a
- * thread's own). The loop answers, the threads only have to keep up: with 2 cores, the
- * load generator and the checkpoint's copying took the loop's core often enough to put
- * 1% of answers past 1 ms. At durability process the writer folds, and takes over
- * commits only from a busy loop, so it yields to the loop too; at machine every commit is
- * its. Paired runs, 50 connections (medians of 4 at p1, 3 at p16): p1 147k -> 158k
- * req/s, p99 1.10 -> 0.82 ms; p16 471k -> 497k; machine p1 94k -> 86k with the writer
- * lowered, 91k with only the checkpoint thread. */
-#define STORE_NICE_CHECKPOINT 19
-#define STORE_NICE_WRITER_PROCESS 10
 /* At durability process the loop writes a commit itself (no thread wake-up either way)
  * when the writer has nothing under way and the commit is at most this many records; a
  * bigger one means a busy loop, which is better off handing it over. */
@@ -645,26 +633,10 @@ not_ours:
 	return errno_of(db, rc);
 }
 
-/* Lowers the calling thread's priority by delta nice levels (up to 19). Failing is
- * harmless: it only keeps the thread's priority as it was. */
-static void lower_priority(int delta)
-{
-	id_t tid = (id_t)syscall(SYS_gettid);
-	int now;
-
-	errno = 0;
-	now = getpriority(PRIO_PROCESS, tid);
-	if (now == -1 && errno)
-		return;
-	(void)setpriority(PRIO_PROCESS, tid, now + delta > 19 ? 19 : now + delta);
-}
-
 static void *checkpointer_main(void *arg)
 {
 	struct checkpointer *ck = arg;
 	sqlite3 *db = NULL;
-
-	lower_priority(STORE_NICE_CHECKPOINT);
 
 	pthread_mutex_lock(&ck->mu);
 	for (;;) {
@@ -1588,9 +1560,6 @@ static void *writer_main(void *arg)
 {
 	struct store *s = arg;
 	bool fold = true;
-
-	if (s->durability != DURABILITY_MACHINE)
-		lower_priority(STORE_NICE_WRITER_PROCESS);
 
 	pthread_mutex_lock(&s->qmu);
 	for (;;) {

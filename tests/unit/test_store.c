@@ -8,7 +8,6 @@
 #include "msgrec.h"
 #include "test.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -17,7 +16,6 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -316,71 +314,6 @@ static void test_durability(void)
 	CHECK(store_durability_parse("", &d) == -EINVAL);
 	CHECK_STR(store_durability_str(DURABILITY_MACHINE), "machine");
 	CHECK_STR(store_durability_str(DURABILITY_NONE), "none");
-}
-
-/* The nice values of this process' threads other than the main one: how many at each of
- * want[0..n). */
-static void thread_nices(const int *want, int *count, int n)
-{
-	char path[300], line[512];
-	struct dirent *e;
-	DIR *d = opendir("/proc/self/task");
-
-	memset(count, 0, (size_t)n * sizeof(*count));
-	while (d && (e = readdir(d))) {
-		if (e->d_name[0] == '.' || atoi(e->d_name) == getpid())
-			continue;
-		snprintf(path, sizeof(path), "/proc/self/task/%s/stat", e->d_name);
-		FILE *f = fopen(path, "r");
-		if (!f)
-			continue;
-		const char *p = fgets(line, sizeof(line), f) ? strrchr(line, ')') : NULL;
-		long nice = 0;
-		/* after the name: state, then fields 4..19; nice is field 19 */
-		if (p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d "
-		                       "%*d %ld", &nice) == 1)
-			for (int i = 0; i < n; i++)
-				count[i] += nice == want[i];
-		fclose(f);
-	}
-	if (d)
-		closedir(d);
-}
-
-/* The store's threads run below the daemon's priority: the checkpoint thread 19 nice levels
- * (at most 19), the writer 10 at durability process and none at machine, where it writes
- * every commit. */
-static void test_priorities(void)
-{
-	int base = getpriority(PRIO_PROCESS, 0);
-	int want[3] = {base, base + 10 > 19 ? 19 : base + 10, 19};
-	char dir[128];
-
-	for (int machine = 0; machine < 2; machine++) {
-		struct store *s = NULL;
-		char err[256];
-		int count[3];
-		make_dir(dir, sizeof(dir), machine ? "nice-machine" : "nice-process");
-		CHECK(store_open(dir, machine ? DURABILITY_MACHINE : DURABILITY_PROCESS, &s, err,
-		                 sizeof(err)) == 0);
-		if (!s)
-			continue;
-		/* the threads lower themselves as they start */
-		for (int t = 0; t < 100; t++) {
-			thread_nices(want, count, 3);
-			if (count[2] >= 1 && (machine || count[1] >= 1))
-				break;
-			usleep(10000);
-		}
-		if (base >= 9) { /* want[] overlap: only the lowest is certain */
-			CHECK(count[2] >= 1);
-		} else if (machine) {
-			CHECK(count[2] == 1 && count[0] == 1); /* checkpoint thread; writer */
-		} else {
-			CHECK(count[2] == 1 && count[1] == 1); /* checkpoint thread; writer */
-		}
-		store_close(s);
-	}
 }
 
 static void test_round_trip(void)
@@ -1739,7 +1672,6 @@ int main(void)
 		return 1;
 	}
 	test_durability();
-	test_priorities();
 	test_round_trip();
 	test_closed();
 	test_spool();
