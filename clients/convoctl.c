@@ -347,6 +347,7 @@ struct session {
 	bool line_has_text; /* the stdin line being forwarded has a non-blank byte */
 	bool line_open;     /* the last stdin byte forwarded was not '\n' */
 	bool write_closed;  /* the daemon will not read more */
+	bool peer_closed;   /* the daemon closed the connection after every answer owed */
 	bool error_seen;    /* some response was an error */
 	bool output_failed; /* writing to stdout failed */
 	/* follow: the signal mask while waiting (SIGINT/SIGTERM deliverable), NULL otherwise */
@@ -1096,11 +1097,16 @@ static int session_run(struct session *s)
 
 	for (;;) {
 		bool in_open = s->in_fd >= 0;
-		bool pending = s->out_off < s->out.len && !s->write_closed;
+		bool pending = s->out_off < s->out.len && !s->write_closed && !s->peer_closed;
 
+		if (s->peer_closed && s->answered < s->sent_lines) {
+			/* stdin had another request after all */
+			fputs("convoctl: the daemon closed the connection\n", stderr);
+			return EXIT_UNREACHABLE;
+		}
 		if (!in_open && !pending && s->answered >= s->sent_lines)
 			break;
-		pfd[0].fd = s->fd;
+		pfd[0].fd = s->peer_closed ? -1 : s->fd;
 		pfd[0].events = POLLIN | (pending ? POLLOUT : 0);
 		pfd[0].revents = 0;
 		pfd[1].fd = s->in_fd;
@@ -1134,13 +1140,18 @@ static int session_run(struct session *s)
 		if (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) {
 			rc = pump_socket_in(s);
 			if (rc != 0) {
-				if (s->answered < s->sent_lines || s->in_fd >= 0) {
+				if (s->answered < s->sent_lines || (rc < 0 && s->in_fd >= 0)) {
 					fprintf(stderr, "convoctl: %s\n",
 					        rc < 0 ? "connection to the daemon failed"
 					               : "the daemon closed the connection");
 					return EXIT_UNREACHABLE;
 				}
-				break;
+				if (s->in_fd < 0)
+					break;
+				/* Every answer owed is in and stdin is still open: it may hold no
+				 * more than its end (the daemon may close as soon as it answered the
+				 * last request). Only another request is an error. */
+				s->peer_closed = true;
 			}
 		}
 	}

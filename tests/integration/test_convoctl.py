@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 import ddb
-from conftest import CONVOCTL, ROOT
+from conftest import CONVOCTL, ROOT, TIMEOUT_SCALE
 
 MAN_PAGE = os.path.join(ROOT, "clients", "convoctl.1")
 COMMANDS = ["add-user", "add-assistant", "add-message", "get-messages", "summary-info",
@@ -241,6 +241,33 @@ def test_connection_closed_before_answer_exits_3():
         srv.close()
     assert p.returncode == 3
     assert "closed the connection" in p.stderr
+
+
+@pytest.mark.parametrize("later", [b"", b"\n  \n", b'{"op":"ping"}\n'])
+def test_stdin_after_the_daemon_closed(later):
+    """A daemon that closes after answering everything sent so far is fine if stdin has
+    nothing more (its end, blank lines: exit 0, as when both arrive at once); a request
+    that comes later cannot be sent (exit 3)."""
+    srv = FakeServer(lambda conn: (read_lines(conn, 1), conn.sendall(b'{"ok":true}\n')))
+    try:
+        proc = subprocess.Popen([CONVOCTL, "--socket", srv.path, "--timeout", "5", "-"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        proc.stdin.write(b'{"op":"ping"}\n')
+        proc.stdin.flush()
+        srv.thread.join(10 * TIMEOUT_SCALE)  # answered and closed
+        assert not srv.thread.is_alive()
+        time.sleep(0.2 * TIMEOUT_SCALE)  # convoctl sees the end of the connection first
+        out, err = proc.communicate(later, timeout=10 * TIMEOUT_SCALE)
+    finally:
+        srv.close()
+    assert b"Sanitizer" not in err and b"runtime error:" not in err, err
+    assert out == b'{"ok":true}\n'
+    if b"op" in later:
+        assert proc.returncode == 3, err
+        assert b"closed the connection" in err
+    else:
+        assert proc.returncode == 0, err
 
 
 def test_client_pipelines_before_reading_answers():
