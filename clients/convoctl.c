@@ -1148,9 +1148,9 @@ static int session_run(struct session *s)
 				}
 				if (s->in_fd < 0)
 					break;
-				/* Every answer owed is in and stdin is still open: it may hold no
-				 * more than its end (the daemon may close as soon as it answered the
-				 * last request). Only another request is an error. */
+				/* Every answer owed is in and stdin is still open: it may hold
+				 * no more than its end (the daemon may close as soon as it has
+				 * answered). Only another request is an error. */
 				s->peer_closed = true;
 			}
 		}

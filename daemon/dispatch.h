@@ -60,7 +60,7 @@ struct dispatch {
 	size_t dropped_since_trim; /* conversations freed since main last ran malloc_trim */
 	uint64_t submitted_at_tick; /* d->submitted at the last flush tick */
 	int64_t purge_due_ms;       /* when the next retention purge is due */
-	bool idle_done;             /* no commit since the store was told it is idle */
+	bool idle_done;             /* nothing submitted since the store was told it is idle */
 	struct registry reg;
 	struct stats stats;
 	struct ulid_gen ulid;

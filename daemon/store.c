@@ -225,9 +225,9 @@ struct checkpointer {
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
 	bool started, stop, wanted;
-	bool running;      /* a checkpoint runs: the thread's, or the loop's own */
+	bool running;      /* a checkpoint runs: the thread's, or the writer's own */
 	int last_rc;       /* SQLite code of the last checkpoint */
-	int reported_rc;   /* what the loop thread last logged */
+	int reported_rc;   /* what wal_hook last logged */
 	uint64_t runs;     /* checkpoints done */
 	const char *path;  /* the store's */
 	enum durability durability;
@@ -287,6 +287,8 @@ struct store {
 	bool wal_full;         /* a commit of the loop's took the WAL past its bound */
 	bool idle_wanted;      /* store_idle: fold everything, then give memory back */
 	size_t fold_records;   /* STORE_FOLD_RECORDS, or what a test set */
+	int checkpoint_pages;  /* STORE_CHECKPOINT_PAGES, or what a test set */
+	int wal_hard_pages;    /* STORE_WAL_HARD_PAGES, or what a test set */
 	enum durability durability;
 	int fail_error;
 	uint64_t void_through; /* jobs up to this seq were queued before an acknowledged failure */
@@ -685,6 +687,47 @@ static void *checkpointer_main(void *arg)
 	return NULL;
 }
 
+/* Asks the checkpoint thread for a round; returns the SQLite code of the last one. */
+static int checkpoint_ask(struct checkpointer *ck)
+{
+	int rc;
+
+	pthread_mutex_lock(&ck->mu);
+	ck->wanted = true;
+	pthread_cond_signal(&ck->cv);
+	rc = ck->last_rc;
+	pthread_mutex_unlock(&ck->mu);
+	return rc;
+}
+
+/* Waits for the checkpoint thread's round to end, then checkpoints on db, the writing
+ * connection, holding conn_lock (when not NULL) meanwhile: with no other writer and no
+ * other checkpointer it copies all the thread has not, and the next commit starts the WAL
+ * over. The thread's round runs with commits going on; what is left after it is short.
+ * Returns SQLite's code. */
+static int checkpoint_after_round(struct checkpointer *ck, sqlite3 *db, const char *name,
+                                  pthread_mutex_t *conn_lock)
+{
+	int rc;
+
+	pthread_mutex_lock(&ck->mu);
+	while (ck->running)
+		pthread_cond_wait(&ck->cv, &ck->mu);
+	ck->running = true;
+	pthread_mutex_unlock(&ck->mu);
+	if (conn_lock)
+		pthread_mutex_lock(conn_lock);
+	rc = sqlite3_wal_checkpoint_v2(db, name, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
+	if (conn_lock)
+		pthread_mutex_unlock(conn_lock);
+	pthread_mutex_lock(&ck->mu);
+	ck->running = false;
+	ck->last_rc = rc;
+	pthread_cond_broadcast(&ck->cv);
+	pthread_mutex_unlock(&ck->mu);
+	return rc;
+}
+
 /* SQLite calls this after every commit with the WAL's size in pages (it replaces the
  * automatic checkpoint, which is thereby off). */
 static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
@@ -693,11 +736,9 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 	struct checkpointer *ck = &s->ck;
 	int rc;
 
-	bool self = false;
-
-	if (pages < STORE_CHECKPOINT_PAGES)
+	if (pages < s->checkpoint_pages)
 		return SQLITE_OK;
-	if (pages >= STORE_WAL_HARD_PAGES && s->writer_started &&
+	if (pages >= s->wal_hard_pages && s->writer_started &&
 	    !pthread_equal(pthread_self(), s->writer)) {
 		/* The loop wrote this commit itself: the wait below is the writer thread's to
 		 * take (the loop meanwhile hands its commits over instead of blocking). */
@@ -707,29 +748,10 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 		pthread_mutex_unlock(&s->qmu);
 		return SQLITE_OK;
 	}
-	pthread_mutex_lock(&ck->mu);
-	if (pages >= STORE_WAL_HARD_PAGES) {
-		/* The thread fell behind: the writer (or the thread opening or closing the
-		 * store) waits for its checkpoint to end, then takes the rest itself. */
-		while (ck->running)
-			pthread_cond_wait(&ck->cv, &ck->mu);
-		ck->running = self = true;
-	} else {
-		ck->wanted = true;
-		pthread_cond_signal(&ck->cv);
-	}
-	rc = ck->last_rc;
-	pthread_mutex_unlock(&ck->mu);
-	if (self) {
-		/* No other writer (this is it) and no other checkpointer: it copies all the
-		 * thread has not, and the next commit starts the WAL over. */
-		rc = sqlite3_wal_checkpoint_v2(db, name, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
-		pthread_mutex_lock(&ck->mu);
-		ck->running = false;
-		ck->last_rc = rc;
-		pthread_cond_broadcast(&ck->cv);
-		pthread_mutex_unlock(&ck->mu);
-	}
+	/* The thread fell behind: the writer (or the thread opening or closing the store)
+	 * takes the rest itself. */
+	rc = pages >= s->wal_hard_pages ? checkpoint_after_round(ck, db, name, NULL)
+	                                : checkpoint_ask(ck);
 	if (rc != ck->reported_rc) {
 		if (rc == SQLITE_OK)
 			log_msg(LOG_INFO, "store", "%s: checkpoints work again", s->path);
@@ -1470,29 +1492,11 @@ static int run_special(struct store *s, struct job *j)
 	return -EINVAL;
 }
 
-/* The WAL went past STORE_WAL_HARD_PAGES in a commit the loop wrote: wait for the
- * checkpoint thread and run one (wal_hook's hard case) with the connection held, so that
- * no commit comes in between and the next one starts the WAL over. */
+/* The WAL went past STORE_WAL_HARD_PAGES in a commit the loop wrote: wal_hook's hard case,
+ * taken by the writer with the connection held, so that no commit comes in between. */
 static void wal_bound(struct store *s)
 {
-	struct checkpointer *ck = &s->ck;
-	int rc;
-
-	/* The thread's round first, commits going on meanwhile; then the rest, which is
-	 * short: only what was committed during that round. */
-	pthread_mutex_lock(&ck->mu);
-	while (ck->running)
-		pthread_cond_wait(&ck->cv, &ck->mu);
-	ck->running = true;
-	pthread_mutex_unlock(&ck->mu);
-	pthread_mutex_lock(&s->dbmu);
-	rc = sqlite3_wal_checkpoint_v2(s->db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
-	pthread_mutex_lock(&ck->mu);
-	ck->running = false;
-	ck->last_rc = rc;
-	pthread_cond_broadcast(&ck->cv);
-	pthread_mutex_unlock(&ck->mu);
-	pthread_mutex_unlock(&s->dbmu);
+	checkpoint_after_round(&s->ck, s->db, NULL, &s->dbmu);
 }
 
 /* Is there fold work: a cycle under way, or enough pending to start one (or anything pending
@@ -1519,12 +1523,8 @@ static void idle_release(struct store *s)
 	malloc_trim(0);
 	/* And the WAL goes back into the database: a quiet daemon's writes would otherwise
 	 * stay there until STORE_CHECKPOINT_PAGES. */
-	if (s->ck.started) {
-		pthread_mutex_lock(&s->ck.mu);
-		s->ck.wanted = true;
-		pthread_cond_signal(&s->ck.cv);
-		pthread_mutex_unlock(&s->ck.mu);
-	}
+	if (s->ck.started)
+		checkpoint_ask(&s->ck);
 }
 
 /* A step of the fold (of everything pending when all is set) in a transaction of its own,
@@ -1821,6 +1821,8 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	sqlite3_busy_timeout(s->db, STORE_BUSY_TIMEOUT_MS);
 	s->durability = durability;
 	s->fold_records = STORE_FOLD_RECORDS;
+	s->checkpoint_pages = STORE_CHECKPOINT_PAGES;
+	s->wal_hard_pages = STORE_WAL_HARD_PAGES;
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
@@ -1914,6 +1916,15 @@ void store_set_fold_records(struct store *s, size_t n)
 {
 	pthread_mutex_lock(&s->dbmu);
 	s->fold_records = n ? n : 1;
+	pthread_mutex_unlock(&s->dbmu);
+}
+
+void store_set_wal_pages(struct store *s, int checkpoint, int hard)
+{
+	/* wal_hook reads them in commits, which hold dbmu */
+	pthread_mutex_lock(&s->dbmu);
+	s->checkpoint_pages = checkpoint > 0 ? checkpoint : 1;
+	s->wal_hard_pages = hard > s->checkpoint_pages ? hard : s->checkpoint_pages;
 	pthread_mutex_unlock(&s->dbmu);
 }
 

@@ -40,6 +40,10 @@ int store_set_size_limit(struct store *s, uint64_t max_bytes);
 
 /* For tests: the pending records that start a fold cycle (default 65536; at least 1). */
 void store_set_fold_records(struct store *s, size_t n);
+/* For tests: the WAL sizes in pages that start a round of the checkpoint thread (default
+ * 16000) and past which the writer waits for it and checkpoints itself (32000; not below
+ * the first: equal, the thread is never asked). */
+void store_set_wal_pages(struct store *s, int checkpoint, int hard);
 
 /* One transaction per loop turn, written by the store's writer thread. store_begin opens
  * it (0, or -EINVAL when one is open already); the writes below record into it; nothing is
