@@ -25,8 +25,9 @@
 #include "siphash.h"
 
 #define STORE_FILE "convod.db"
-/* 2: the journal table; 3: batches and segments instead of the messages table */
-#define STORE_SCHEMA_VERSION 3
+/* 2: the journal table; 3: batches and segments instead of the messages table; 4: packed
+ * records (msgrec.h), about half the size (an older convod would take them for damage) */
+#define STORE_SCHEMA_VERSION 4
 #define STORE_APPLICATION_ID 0x636e7664 /* "cnvd": tells our files from other SQLite files */
 #define STORE_BUSY_TIMEOUT_MS 100
 #define STORE_BUF_KEEP (1024 * 1024) /* larger buffers are freed after use */
@@ -441,7 +442,7 @@ static int upgrade_messages(sqlite3 *db)
 	while (rc == SQLITE_OK && (step = sqlite3_step(rd)) == SQLITE_ROW) {
 		const char *id = sqlite3_column_blob(rd, 0);
 		size_t id_len = (size_t)sqlite3_column_bytes(rd, 0);
-		struct msgrec r = {NULL, 0, NULL, 0, 0, 0, 0, NULL, 0};
+		struct msgrec r = {NULL, 0, NULL, 0, 0, 0, 0, NULL, 0, false}; /* JSON maps */
 
 		if (seg.len && (id_len != conv.len || (id_len && memcmp(id, conv.data, id_len)))) {
 			sqlite3_bind_blob64(wr, 1, conv.len ? conv.data : "", conv.len, SQLITE_STATIC);
@@ -480,7 +481,8 @@ static int upgrade_messages(sqlite3 *db)
 	return rc;
 }
 
-/* Schema 1 (a messages table) or 2 (messages and a journal) to 3, in one transaction. */
+/* Schema 1 (a messages table) or 2 (messages and a journal) to 3, and 3 to 4, in one
+ * transaction. 4 only adds the packed records, and reads those of 3. */
 static int upgrade(sqlite3 *db, int64_t from)
 {
 	char sql[64];
@@ -497,9 +499,9 @@ static int upgrade(sqlite3 *db, int64_t from)
 		    " map_bytes = excluded.map_bytes, map = excluded.map;"
 		    "DROP TABLE journal",
 		    NULL, NULL, NULL);
-	if (rc == SQLITE_OK)
+	if (rc == SQLITE_OK && from < 3)
 		rc = sqlite3_exec(db, schema3_sql, NULL, NULL, NULL);
-	if (rc == SQLITE_OK)
+	if (rc == SQLITE_OK && from < 3)
 		rc = sqlite3_exec(
 		    db,
 		    "ALTER TABLE spool ADD COLUMN map_bytes INTEGER NOT NULL DEFAULT 0;"
@@ -508,10 +510,10 @@ static int upgrade(sqlite3 *db, int64_t from)
 		    "INSERT INTO confirmed(conversation, sk, version)"
 		    " SELECT conversation, sk, confirmed FROM messages WHERE confirmed > 0",
 		    NULL, NULL, NULL);
-	if (rc == SQLITE_OK)
+	if (rc == SQLITE_OK && from < 3)
 		rc = upgrade_messages(db);
-	snprintf(sql, sizeof(sql), "DROP TABLE messages; PRAGMA user_version=%d; COMMIT",
-	         STORE_SCHEMA_VERSION);
+	snprintf(sql, sizeof(sql), "%sPRAGMA user_version=%d; COMMIT",
+	         from < 3 ? "DROP TABLE messages; " : "", STORE_SCHEMA_VERSION);
 	if (rc == SQLITE_OK)
 		rc = sqlite3_exec(db, sql, NULL, NULL, NULL);
 	return rc;
@@ -2082,7 +2084,7 @@ int store_put_message(struct store *s, const char *conv, size_t conv_len, const 
 		return -EINVAL;
 	message_sort_key(m, sk);
 	s->json.len = 0;
-	if ((rc = message_write_map(&s->json, m)) < 0)
+	if ((rc = message_pack(&s->json, m)) < 0)
 		goto out;
 	r.conv = conv;
 	r.conv_len = conv_len;
@@ -2093,6 +2095,7 @@ int store_put_message(struct store *s, const char *conv, size_t conv_len, const 
 	r.updated_ms = m->updated_ms;
 	r.map = s->json.data;
 	r.map_len = s->json.len;
+	r.packed = true;
 	if ((rc = msgrec_append(&s->batch, &r)) == 0)
 		s->batch_records++;
 out:
@@ -2194,9 +2197,10 @@ static int64_t key_version(struct store *s, enum stmt_id id, const char *conv, s
 	return v;
 }
 
-/* The message of record r of conversation c. */
-static int record_message(struct store *s, const struct convo *c, const struct msgrec *r,
-                          struct message **out)
+/* The message of record r (packed or JSON), with its version and update time; seen[] is
+ * 0. The record's sort key must be the message's. */
+static int record_decode(struct store *s, const char *conv, size_t conv_len,
+                         const struct msgrec *r, struct message **out)
 {
 	char key[DDBITEM_SK_MAX + 1];
 	struct message *m = NULL;
@@ -2207,24 +2211,57 @@ static int record_message(struct store *s, const struct convo *c, const struct m
 
 	*out = NULL;
 	if (r->version < 1 || r->client_seen > r->version) {
-		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len, "version out of range");
+		rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, "version out of range");
 		goto out;
 	}
-	if (!(map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je))) {
-		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len, je.text);
-		goto out;
+	if (r->packed) {
+		/* The id is the sort key's end (see message_sort_key). */
+		const char *id = r->sk + r->sk_len - ULID_LEN;
+		if (r->sk_len < ULID_LEN || !ulid_valid(id, ULID_LEN)) {
+			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, "bad sort key");
+			goto out;
+		}
+		if (message_unpack(r->map, r->map_len, id, r->version, &m, &e) != ERR_OK) {
+			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
+			goto out;
+		}
+		message_sort_key(m, key);
+	} else {
+		if (!(map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je))) {
+			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, je.text);
+			goto out;
+		}
+		if (message_from_map(map, r->version, &m, &e) != ERR_OK) {
+			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
+			goto out;
+		}
+		if (ddbitem_sort_key(map, key, &e) != ERR_OK)
+			key[0] = '\0';
 	}
-	if (message_from_map(map, r->version, &m, &e) != ERR_OK) {
-		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len, e.message);
-		goto out;
-	}
-	if (ddbitem_sort_key(map, key, &e) != ERR_OK || strlen(key) != r->sk_len ||
-	    memcmp(key, r->sk, r->sk_len) != 0) {
-		rc = bad_row(s, c->id, c->id_len, r->sk, r->sk_len,
+	if (strlen(key) != r->sk_len || memcmp(key, r->sk, r->sk_len) != 0) {
+		rc = bad_row(s, conv, conv_len, r->sk, r->sk_len,
 		             "sort key does not match the message");
 		goto out;
 	}
 	m->updated_ms = r->updated_ms;
+	*out = m;
+	m = NULL;
+out:
+	message_free(m);
+	json_decref(map);
+	return rc;
+}
+
+/* The message of record r of conversation c. */
+static int record_message(struct store *s, const struct convo *c, const struct msgrec *r,
+                          struct message **out)
+{
+	struct message *m;
+	int rc;
+
+	if ((rc = record_decode(s, c->id, c->id_len, r, out)) < 0)
+		return rc;
+	m = *out;
 	m->seen[CONSUMER_STORE] = r->version;
 	/* Taken by the sink only when confirmed or spooled at this version: a version whose
 	 * spool row was never committed is taken again. */
@@ -2236,12 +2273,7 @@ static int record_message(struct store *s, const struct convo *c, const struct m
 		m->seen[CONSUMER_SINK] = covered >= r->version ? r->version : (uint32_t)covered;
 	}
 	m->seen[CONSUMER_CLIENT] = r->client_seen;
-	*out = m;
-	m = NULL;
-out:
-	message_free(m);
-	json_decref(map);
-	return rc;
+	return 0;
 }
 
 /* Candidates for one conversation's messages: its segments' records (read into segs), then
@@ -2458,12 +2490,15 @@ static bool pending_find(const struct pending *p, const char *conv, size_t conv_
 static int record_map(struct store *s, const char *conv, size_t conv_len, const struct msgrec *r,
                       json_t **map, uint32_t *version, int64_t *updated_ms)
 {
-	json_error_t je;
+	struct message *m;
+	int rc;
 
-	if (r->version < 1)
-		return bad_row(s, conv, conv_len, r->sk, r->sk_len, "bad message record");
-	if (!(*map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je)))
-		return bad_row(s, conv, conv_len, r->sk, r->sk_len, je.text);
+	if ((rc = record_decode(s, conv, conv_len, r, &m)) < 0)
+		return rc;
+	*map = message_to_map(m);
+	message_free(m);
+	if (!*map)
+		return -ENOMEM;
 	*version = r->version;
 	*updated_ms = r->updated_ms;
 	return 0;

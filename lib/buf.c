@@ -152,6 +152,44 @@ int buf_append_jint(struct buf *b, int64_t v)
 	return buf_append(b, p, (size_t)(tmp + sizeof(tmp) - p));
 }
 
+size_t buf_varint(char out[10], uint64_t v)
+{
+	size_t n = 0;
+
+	while (v >= 0x80) {
+		out[n++] = (char)(v | 0x80);
+		v >>= 7;
+	}
+	out[n++] = (char)v;
+	return n;
+}
+
+int buf_append_varint(struct buf *b, uint64_t v)
+{
+	char tmp[10];
+	return buf_append(b, tmp, buf_varint(tmp, v));
+}
+
+int buf_get_varint(const char **p, const char *end, uint64_t *v)
+{
+	const unsigned char *q = (const unsigned char *)*p;
+	uint64_t x = 0;
+
+	for (int shift = 0; shift < 64 && q < (const unsigned char *)end; shift += 7) {
+		uint64_t bits = *q & 0x7f;
+		/* The tenth byte holds only the top bit. */
+		if (shift == 63 && bits > 1)
+			return -EINVAL;
+		x |= bits << shift;
+		if (!(*q++ & 0x80)) {
+			*v = x;
+			*p = (const char *)q;
+			return 0;
+		}
+	}
+	return -EINVAL;
+}
+
 /* As jansson writes reals: %.17g, with ".0" added when that reads as an integer and the
  * exponent without '+' or leading zeros. */
 static int append_real(struct buf *b, double v)

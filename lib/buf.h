@@ -45,6 +45,14 @@ int buf_append_jstring(struct buf *b, const char *s, size_t n);
 size_t buf_utf8_len(const char *s, size_t n);
 /* Appends v in decimal. 0 or -ENOMEM. */
 int buf_append_jint(struct buf *b, int64_t v);
+/* Appends v as a varint: 7 bits per byte, low bits first, the high bit set on every byte
+ * but the last (1 to 10 bytes). 0 or -ENOMEM. */
+int buf_append_varint(struct buf *b, uint64_t v);
+/* Writes that varint to out; returns its length. */
+size_t buf_varint(char out[10], uint64_t v);
+/* Reads a varint of buf_append_varint at *p (before end) and moves *p past it. 0, or
+ * -EINVAL when it is cut by end or longer than 10 bytes or 64 bits (*p unchanged). */
+int buf_get_varint(const char **p, const char *end, uint64_t *v);
 /* Drops the first n bytes (n <= len), moving the rest to the front. The allocation is
  * kept for reuse, unless it is over 1 MiB and nothing is left. */
 void buf_consume(struct buf *b, size_t n);

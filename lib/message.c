@@ -553,3 +553,175 @@ fail:
 	message_free(m);
 	return rc;
 }
+
+/* ---- the packed map ----
+ *   u8 flags: role (bits 0-1), fake (bit 2), aux present (bit 3)
+ *   varint merges
+ *   varint ncontents (>= 1), then each: varint length, bytes
+ *   u8 timing keys set (bit k for timing[k]; bit 0, creation, always), then each: varint
+ *   varint nsummary_ids, then each: its ULID_LEN characters
+ *   aux when present: varint length, compact JSON text
+ */
+#define PACK_ROLE 0x03u
+#define PACK_FAKE 0x04u
+#define PACK_AUX 0x08u
+
+int message_pack(struct buf *b, const struct message *m)
+{
+	unsigned char flags =
+	    (unsigned char)(m->role | (m->fake ? PACK_FAKE : 0) | (m->aux ? PACK_AUX : 0));
+	unsigned char keys = 0;
+
+	for (int k = 0; k < TIMING_COUNT; k++)
+		keys |= (unsigned char)(m->timing[k] >= 0 ? 1u << k : 0);
+	if (buf_append(b, &flags, 1) < 0 || buf_append_varint(b, m->merges) < 0 ||
+	    buf_append_varint(b, m->ncontents) < 0)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < m->ncontents; i++)
+		if (buf_append_varint(b, m->contents[i]->len) < 0 ||
+		    buf_append(b, m->contents[i]->bytes, m->contents[i]->len) < 0)
+			return -ENOMEM;
+	if (buf_append(b, &keys, 1) < 0)
+		return -ENOMEM;
+	for (int k = 0; k < TIMING_COUNT; k++)
+		if (m->timing[k] >= 0 && buf_append_varint(b, (uint64_t)m->timing[k]) < 0)
+			return -ENOMEM;
+	if (buf_append_varint(b, m->nsummary_ids) < 0)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < m->nsummary_ids; i++)
+		if (buf_append(b, m->summary_ids[i], ULID_LEN) < 0)
+			return -ENOMEM;
+	if (m->aux) {
+		size_t at = b->len;
+		int rc;
+		/* The length goes before the text: written after it, then moved in front. */
+		if ((rc = buf_append_json(b, m->aux)) < 0)
+			return rc;
+		char len[10];
+		size_t n = b->len - at, k = buf_varint(len, n);
+		if (buf_reserve(b, k) < 0)
+			return -ENOMEM;
+		memmove(b->data + at + k, b->data + at, n);
+		memcpy(b->data + at, len, k);
+		b->len += k;
+	}
+	return 0;
+}
+
+/* Whether s[0..n) is valid UTF-8 (NUL bytes allowed, as in contents). */
+static bool utf8_valid(const char *s, size_t n)
+{
+	for (size_t i = 0; i < n;) {
+		size_t k = (unsigned char)s[i] < 0x80 ? 1 : buf_utf8_len(s + i, n - i);
+		if (!k)
+			return false;
+		i += k;
+	}
+	return true;
+}
+
+/* A varint at *p of at most max. */
+static bool get_count(const char **p, const char *end, uint64_t max, uint64_t *v)
+{
+	return buf_get_varint(p, end, v) == 0 && *v <= max;
+}
+
+/* A varint at *p of at most what is left after it divided by size. */
+static bool get_room(const char **p, const char *end, size_t size, uint64_t *v)
+{
+	return buf_get_varint(p, end, v) == 0 && *v <= (uint64_t)(end - *p) / size;
+}
+
+enum error_code message_unpack(const char *data, size_t len, const char *id, uint32_t version,
+                               struct message **out, struct error *err)
+{
+	const char *p = data, *end = data + len, *what = "cut short";
+	struct message *m = NULL;
+	unsigned char flags, keys;
+	uint64_t n, v;
+
+	*out = NULL;
+	if (p == end)
+		goto bad;
+	flags = (unsigned char)*p++;
+	what = "an unknown role or flag";
+	if ((flags & PACK_ROLE) > ROLE_SUMMARY || (flags & ~(PACK_ROLE | PACK_FAKE | PACK_AUX)))
+		goto bad;
+	if (!(m = message_new(id, (enum role)(flags & PACK_ROLE), 0)))
+		goto oom;
+	m->version = version;
+	m->fake = flags & PACK_FAKE;
+	what = "cut short";
+	if (!get_count(&p, end, UINT32_MAX, &v))
+		goto bad;
+	m->merges = (uint32_t)v;
+	/* Each content takes at least its length byte: a count past that is damage, not an
+	 * allocation to attempt. */
+	if (!get_room(&p, end, 1, &n))
+		goto bad;
+	what = "no contents";
+	if (!n)
+		goto bad;
+	for (uint64_t i = 0; i < n; i++) {
+		what = "cut short";
+		if (!get_room(&p, end, 1, &v))
+			goto bad;
+		what = "contents: invalid UTF-8";
+		if (!utf8_valid(p, (size_t)v))
+			goto bad;
+		if (message_append_text(m, p, (size_t)v) < 0)
+			goto oom;
+		p += v;
+	}
+	what = "cut short";
+	if (p == end)
+		goto bad;
+	keys = (unsigned char)*p++;
+	what = "timing: no creation time, or an unknown key";
+	if (!(keys & 1u) || keys >> TIMING_COUNT)
+		goto bad;
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		what = "cut short";
+		if ((keys & (1u << k)) && !get_count(&p, end, INT64_MAX, &v))
+			goto bad;
+		if (keys & (1u << k))
+			m->timing[k] = (int64_t)v;
+	}
+	if (!get_room(&p, end, ULID_LEN, &n))
+		goto bad;
+	what = "summary ids: on a summary only, ULIDs";
+	if (n && m->role != ROLE_SUMMARY)
+		goto bad;
+	if (n && !(m->summary_ids = malloc((size_t)n * sizeof(*m->summary_ids))))
+		goto oom;
+	for (uint64_t i = 0; i < n; i++, p += ULID_LEN) {
+		if (!ulid_valid(p, ULID_LEN))
+			goto bad;
+		memcpy(m->summary_ids[i], p, ULID_LEN);
+		m->summary_ids[i][ULID_LEN] = '\0';
+		m->nsummary_ids++;
+	}
+	if (flags & PACK_AUX) {
+		json_error_t je;
+		what = "cut short";
+		if (!get_room(&p, end, 1, &v))
+			goto bad;
+		m->aux = json_loadb(p, (size_t)v, JSON_ALLOW_NUL, &je);
+		what = "aux: not a non-empty object";
+		if (!json_is_object(m->aux) || !json_object_size(m->aux))
+			goto bad;
+		p += v;
+	}
+	what = "bytes after its end";
+	if (p != end)
+		goto bad;
+	m->updated_ms = m->timing[TIMING_CREATION];
+	*out = m;
+	return ERR_OK;
+bad:
+	message_free(m);
+	return error_set(err, ERR_BAD_REQUEST, "packed message: %s", what);
+oom:
+	message_free(m);
+	return error_set(err, ERR_INTERNAL, "out of memory");
+}

@@ -1,10 +1,11 @@
 /* Message records: one version of one message as the local store keeps it (its sort key,
- * version, update time, the version the client's to_messages_map has seen, and its map as
- * JSON text), packed back to back in a byte string. A turn's records make one row of the
- * store's batches, a conversation's records one row of its segments. */
+ * version, update time, the version the client's to_messages_map has seen, and its map,
+ * packed by message_pack or as JSON text), back to back in a byte string. A turn's records
+ * make one row of the store's batches, a conversation's records one row of its segments. */
 #ifndef CONVOD_MSGREC_H
 #define CONVOD_MSGREC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -22,8 +23,9 @@ struct msgrec {
 	uint32_t version;
 	uint32_t client_seen;
 	int64_t updated_ms;
-	const char *map; /* the message map, JSON text */
+	const char *map; /* the message map: packed (message_pack), else JSON text */
 	size_t map_len;
+	bool packed; /* convod before schema 4 wrote JSON text */
 };
 
 /* Appends r to b. 0, -EINVAL (a field over its limit: conv over MSGREC_CONV_MAX, sk over
@@ -31,7 +33,8 @@ struct msgrec {
 int msgrec_append(struct buf *b, const struct msgrec *r);
 
 /* Reads the record at data[*pos..len) into r and moves *pos past it: 1, or 0 at the end,
- * or -EINVAL for bytes that are not a whole record (a damaged row; *pos unchanged). */
+ * or -EINVAL for bytes that are not a whole record (a damaged row; *pos unchanged). A caller
+ * that knows a whole record is there may pass len = SIZE_MAX - (uintptr_t)data. */
 int msgrec_next(const char *data, size_t len, size_t *pos, struct msgrec *r);
 
 #endif

@@ -1,6 +1,6 @@
 /* Unit tests for daemon/buf: the JSON writer must write exactly what jansson's json_dumpb
  * writes (JSON_COMPACT | JSON_ENCODE_ANY), and refuse what it refuses (invalid UTF-8), for
- * random trees of every type, random byte strings and edge values. */
+ * random trees of every type, random byte strings and edge values. Varints round-trip. */
 #include <errno.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -110,10 +110,49 @@ static bool same_as_jansson(const json_t *v)
 	return ok;
 }
 
+/* Varints: round trips at every bit length, their sizes, and refusals of cut and overlong
+ * ones. */
+static void test_varint(void)
+{
+	struct buf b = {NULL, 0, 0};
+	const char *p, *end;
+	uint64_t v;
+
+	for (int bits = 0; bits <= 64; bits++) {
+		uint64_t want = bits == 64 ? UINT64_MAX : (1ull << bits) - 1;
+		for (int k = 0; k < 3; k++, want = bits ? want ^ (next() & (want >> 1)) : 0) {
+			b.len = 0;
+			CHECK(buf_append_varint(&b, want) == 0);
+			CHECK(b.len == (size_t)(bits ? (bits + 6) / 7 : 1)); /* the top bit stays */
+			p = b.data;
+			end = b.data + b.len;
+			CHECK(buf_get_varint(&p, end, &v) == 0 && v == want && p == end);
+			/* Cut anywhere: refused, p unchanged. */
+			for (size_t cut = 0; cut < b.len; cut++) {
+				p = b.data;
+				CHECK(buf_get_varint(&p, b.data + cut, &v) == -EINVAL && p == b.data);
+			}
+		}
+	}
+	/* Eleven bytes, or a tenth byte over the 64th bit. */
+	p = "\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01";
+	end = p + 11;
+	CHECK(buf_get_varint(&p, end, &v) == -EINVAL);
+	p = "\xff\xff\xff\xff\xff\xff\xff\xff\xff\x02";
+	end = p + 10;
+	CHECK(buf_get_varint(&p, end, &v) == -EINVAL);
+	p = "\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01";
+	end = p + 10;
+	CHECK(buf_get_varint(&p, end, &v) == 0 && v == UINT64_MAX && p == end);
+	buf_free(&b);
+}
+
 int main(void)
 {
 	char tmp[128];
 	int bad = 0;
+
+	test_varint();
 
 	/* Random trees. */
 	for (int i = 0; i < 20000; i++) {

@@ -1,5 +1,7 @@
 /* Unit tests for lib/message: storage, the message map, metadata patches (parse, change
- * detection, apply, allocation failure) and rebuilding a message from its map. */
+ * detection, apply, allocation failure), rebuilding a message from its map, and the packed
+ * map (round trips, and every cut and byte flip of one read without a crash). */
+#include "buf.h"
 #include "message.h"
 #include "test.h"
 
@@ -310,7 +312,31 @@ static void test_patch_apply(void)
 	message_free(m);
 }
 
-/* to_map -> from_map -> to_map gives the same map. */
+/* m packed, then unpacked with id and version 7: the map of m, or NULL (then reported). */
+static char *pack_round_trip(const struct message *m, const char *id, int line)
+{
+	struct buf b = {NULL, 0, 0};
+	struct message *back = NULL;
+	struct error e = {0};
+	enum error_code rc = ERR_INTERNAL;
+	char *text = NULL;
+
+	if (message_pack(&b, m) == 0)
+		rc = message_unpack(b.data, b.len, id, 7, &back, &e);
+	if (rc == ERR_OK && back->version == 7 && back->updated_ms == m->timing[TIMING_CREATION]) {
+		json_t *map = message_to_map(back);
+		text = dump(map);
+		json_decref(map);
+	}
+	if (!text)
+		fprintf(stderr, "%s:%d: packed round trip failed: %s\n", __FILE__, line,
+		        rc ? e.message : "");
+	message_free(back);
+	buf_free(&b);
+	return text;
+}
+
+/* to_map -> from_map -> to_map gives the same map; so does pack -> unpack -> to_map. */
 static void check_round_trip(struct message *m, int line)
 {
 	struct message *back = NULL;
@@ -320,15 +346,17 @@ static void check_round_trip(struct message *m, int line)
 	enum error_code rc = message_from_map(map, 7, &back, &e);
 	json_t *map2 = back ? message_to_map(back) : NULL;
 	char *b = dump(map2);
+	char *c = pack_round_trip(m, m->id, line);
 	test_checks++;
 	if (rc != ERR_OK || !back || back->version != 7 || !a || !b || strcmp(a, b) ||
-	    back->updated_ms != m->timing[TIMING_CREATION]) {
+	    back->updated_ms != m->timing[TIMING_CREATION] || !c || strcmp(a, c)) {
 		test_failures++;
-		fprintf(stderr, "%s:%d: round trip failed: %s\n  %s\n  %s\n", __FILE__, line,
-		        rc ? e.message : "", a ? a : "(null)", b ? b : "(null)");
+		fprintf(stderr, "%s:%d: round trip failed: %s\n  %s\n  %s\n  %s\n", __FILE__, line,
+		        rc ? e.message : "", a ? a : "(null)", b ? b : "(null)", c ? c : "(null)");
 	}
 	free(a);
 	free(b);
+	free(c);
 	json_decref(map);
 	json_decref(map2);
 	message_free(back);
@@ -419,6 +447,114 @@ static void test_from_map(void)
 	                     "metadata.aux: expected an object");
 }
 
+/* message_unpack of data[0..len) fails with ERR_BAD_REQUEST and a message containing what. */
+static void check_unpack_error(const char *data, size_t len, const char *what, int line)
+{
+	struct message *m = (struct message *)&m;
+	struct error e = {0};
+	enum error_code rc = message_unpack(data, len, ID1, 1, &m, &e);
+	test_checks++;
+	if (rc != ERR_BAD_REQUEST || m || !strstr(e.message, what)) {
+		test_failures++;
+		fprintf(stderr, "%s:%d: unpack: %d \"%s\", expected \"%s\"\n", __FILE__, line, rc,
+		        e.message, what);
+	}
+	if (rc == ERR_OK)
+		message_free(m);
+}
+#define CHECK_UNPACK_ERROR(data, what)                                                             \
+	check_unpack_error((data), sizeof(data) - 1, (what), __LINE__)
+
+/* The packed map: a third of the JSON's size for a short text; every field's refusal; and
+ * every cut and every byte value at every place of a full one read without a crash. */
+static void test_pack(void)
+{
+	static const char text40[] = "What is the weather like in Lyon today?!";
+	struct buf json = {NULL, 0, 0}, b = {NULL, 0, 0};
+	struct message *m = message_new(ID1, ROLE_USER, 1744815823057), *back;
+	struct error e;
+	long ok = 0, refused = 0;
+
+	message_append_text(m, text40, sizeof(text40) - 1);
+	CHECK(message_write_map(&json, m) == 0 && message_pack(&b, m) == 0);
+	printf("  a 40-byte text: JSON map %zu bytes, packed %zu\n", json.len, b.len);
+	CHECK(b.len * 3 <= json.len && b.len == 1 + 1 + 1 + 1 + 40 + 1 + 6 + 1);
+	message_free(m);
+
+	/* Refusals, one field at a time (flags, merges, contents, timing, ids, aux). */
+	CHECK_UNPACK_ERROR("", "cut short");
+	CHECK_UNPACK_ERROR("\x03\x00\x01\x01x\x01\x01\x00", "an unknown role or flag");
+	CHECK_UNPACK_ERROR("\x10\x00\x01\x01x\x01\x01\x00", "an unknown role or flag");
+	CHECK_UNPACK_ERROR("\x00\x00\x00\x01\x01\x00", "no contents");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x02x", "cut short");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x01\xff\x01\x01\x00", "invalid UTF-8");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x02\xc3\x01\x01\x00", "invalid UTF-8");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x01x\x02\x01\x00", "no creation time");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x01x\x81\x01\x01\x00", "unknown key");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x01x\x01\x01\x01" ID2, "on a summary only");
+	CHECK_UNPACK_ERROR("\x02\x00\x01\x01x\x01\x01\x01"
+	                   "01JRZJ166HZFPP405DV1QQB2XU",
+	                   "ULIDs");
+	CHECK_UNPACK_ERROR("\x08\x00\x01\x01x\x01\x01\x00\x02[]", "aux");
+	CHECK_UNPACK_ERROR("\x08\x00\x01\x01x\x01\x01\x00\x02{}", "aux");
+	CHECK_UNPACK_ERROR("\x08\x00\x01\x01x\x01\x01\x00\x03{\"a", "aux");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x01x\x01\x01\x00!", "bytes after its end");
+	CHECK_UNPACK_ERROR("\x00\xff\xff\xff\xff\x10\x01\x01x\x01\x01\x00", "cut short");
+	CHECK_UNPACK_ERROR("\x00\x00\x01\x01x\x01\xff\xff\xff\xff\xff\xff\xff\xff\x80\x01\x00",
+	                   "cut short"); /* creation over INT64_MAX */
+	/* The smallest one. */
+	CHECK(message_unpack("\x00\x00\x01\x00\x01\x00\x00", 7, ID1, 1, &back, &e) == ERR_OK &&
+	      back && back->ncontents == 1 && back->contents[0]->len == 0 &&
+	      back->timing[TIMING_CREATION] == 0);
+	message_free(back);
+
+	/* A full one: fake, merged, NULs, every timing, aux; and a summary. */
+	m = message_new(ID3, ROLE_SUMMARY, 1744815823057);
+	message_append_text(m, "a\0b", 3);
+	message_append_text(m, "\xe6\x97\xa5", 3);
+	m->fake = true;
+	m->merges = 300;
+	for (int k = 1; k < TIMING_COUNT; k++)
+		m->timing[k] = (int64_t)k << (8 * k);
+	m->aux = parse("{\"k\":\"v\\u0000x\",\"o\":{\"n\":[1.5,null]}}");
+	m->summary_ids = malloc(2 * sizeof(*m->summary_ids));
+	memcpy(m->summary_ids[0], ID1, ULID_LEN + 1);
+	memcpy(m->summary_ids[1], ID2, ULID_LEN + 1);
+	m->nsummary_ids = 2;
+	check_round_trip(m, __LINE__);
+	b.len = 0;
+	CHECK(message_pack(&b, m) == 0);
+	for (size_t cut = 0; cut < b.len; cut++) {
+		back = (struct message *)&back;
+		CHECK(message_unpack(b.data, cut, ID3, 1, &back, &e) == ERR_BAD_REQUEST && !back);
+	}
+	for (size_t at = 0; at < b.len; at++) {
+		for (int v = 0; v < 256; v++) {
+			char *copy = malloc(b.len);
+			memcpy(copy, b.data, b.len);
+			copy[at] = (char)v;
+			back = NULL;
+			if (message_unpack(copy, b.len, ID3, 1, &back, &e) == ERR_OK) {
+				json_t *map = message_to_map(back);
+				ok++;
+				CHECK(back && map);
+				json_decref(map);
+			} else {
+				refused++;
+				CHECK(!back);
+			}
+			message_free(back);
+			free(copy);
+		}
+	}
+	printf("  byte flips of a %zu-byte packed map: %ld read, %ld refused\n", b.len, ok,
+	       refused);
+	CHECK(ok > 0 && refused > 0);
+	message_free(m);
+	buf_free(&b);
+	buf_free(&json);
+}
+
 int main(void)
 {
 	test_names();
@@ -427,5 +563,6 @@ int main(void)
 	test_patch_parse();
 	test_patch_apply();
 	test_from_map();
+	test_pack();
 	return test_done("message");
 }

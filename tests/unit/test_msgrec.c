@@ -1,7 +1,7 @@
-/* Unit tests for lib/msgrec: records round-trip with every field at its limits, back to back;
- * limits are refused; and reading never runs past the bytes it is given, whatever they are
- * (every cut and every byte flip of a valid string is read without a crash, and ends in
- * -EINVAL or in records inside the string). */
+/* Unit tests for lib/msgrec, for packed and JSON records alike: records round-trip with every
+ * field at its limits, back to back and mixed; limits are refused; and reading never runs
+ * past the bytes it is given, whatever they are (every cut and every byte flip of a valid
+ * string is read without a crash, and ends in -EINVAL or in records inside the string). */
 #include <errno.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -16,17 +16,18 @@ static bool same(const struct msgrec *a, const struct msgrec *b)
 	       a->sk_len == b->sk_len && memcmp(a->sk, b->sk, a->sk_len) == 0 &&
 	       a->version == b->version && a->client_seen == b->client_seen &&
 	       a->updated_ms == b->updated_ms && a->map_len == b->map_len &&
-	       memcmp(a->map, b->map, a->map_len) == 0;
+	       memcmp(a->map, b->map, a->map_len) == 0 && a->packed == b->packed;
 }
 
 static void test_round_trip(void)
 {
 	static char conv[MSGREC_CONV_MAX], sk[MSGREC_SK_MAX];
-	struct msgrec in[4] = {
-	    {"c1", 2, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 26, 1, 0, 1744815823057, "{\"id\":1}", 8},
-	    {"", 0, "k", 1, UINT32_MAX, UINT32_MAX, INT64_MIN, "", 0},
-	    {conv, sizeof(conv), sk, sizeof(sk), 7, 3, INT64_MAX, "\0x\0", 3},
-	    {"n\0ul", 4, "a~b", 3, 2, 1, -1, "{}", 2},
+	struct msgrec in[8] = {
+	    {"c1", 2, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 26, 1, 0, 1744815823057, "{\"id\":1}", 8,
+	     false},
+	    {"", 0, "k", 1, UINT32_MAX, UINT32_MAX, INT64_MIN, "", 0, false},
+	    {conv, sizeof(conv), sk, sizeof(sk), 7, 3, INT64_MAX, "\0x\0", 3, false},
+	    {"n\0ul", 4, "a~b", 3, 2, 1, -1, "{}", 2, false},
 	};
 	struct buf b = {NULL, 0, 0};
 	struct msgrec r;
@@ -34,13 +35,19 @@ static void test_round_trip(void)
 
 	memset(conv, 'c', sizeof(conv));
 	memset(sk, 's', sizeof(sk));
-	for (int i = 0; i < 4; i++)
+	/* The same four packed, interleaved with the JSON ones. */
+	for (int i = 3; i >= 0; i--) {
+		in[2 * i] = in[i];
+		in[2 * i + 1] = in[i];
+		in[2 * i + 1].packed = true;
+	}
+	for (int i = 0; i < 8; i++)
 		CHECK(msgrec_append(&b, &in[i]) == 0);
 	while (msgrec_next(b.data, b.len, &pos, &r) == 1) {
-		CHECK(n < 4 && same(&r, &in[n]));
+		CHECK(n < 8 && same(&r, &in[n]));
 		n++;
 	}
-	CHECK(n == 4 && pos == b.len);
+	CHECK(n == 8 && pos == b.len);
 	CHECK(msgrec_next(b.data, b.len, &pos, &r) == 0);
 	buf_free(&b);
 }
@@ -48,17 +55,26 @@ static void test_round_trip(void)
 static void test_limits(void)
 {
 	static char big[MSGREC_CONV_MAX + 1];
-	struct msgrec r = {big, sizeof(big), "k", 1, 1, 0, 0, "", 0};
 	struct buf b = {NULL, 0, 0};
 
-	CHECK(msgrec_append(&b, &r) == -EINVAL);
-	r.conv_len = 1;
-	r.sk_len = 0;
-	CHECK(msgrec_append(&b, &r) == -EINVAL);
-	r.sk = big;
-	r.sk_len = MSGREC_SK_MAX + 1;
-	CHECK(msgrec_append(&b, &r) == -EINVAL);
-	CHECK(b.len == 0);
+	for (int packed = 0; packed <= 1; packed++) {
+		struct msgrec r = {big, sizeof(big), "k", 1, 1, 0, 0, "", 0, packed};
+		CHECK(msgrec_append(&b, &r) == -EINVAL);
+		r.conv_len = 1;
+		r.sk_len = 0;
+		CHECK(msgrec_append(&b, &r) == -EINVAL);
+		r.sk = big;
+		r.sk_len = MSGREC_SK_MAX + 1;
+		CHECK(msgrec_append(&b, &r) == -EINVAL);
+		CHECK(b.len == 0);
+	}
+	/* A packed record's header with a varint of a 17-bit conversation length. */
+	CHECK(buf_append(&b, "P\x80\x80\x04", 4) == 0);
+	{
+		size_t pos = 0;
+		struct msgrec r;
+		CHECK(msgrec_next(b.data, b.len, &pos, &r) == -EINVAL && pos == 0);
+	}
 	buf_free(&b);
 }
 
@@ -80,9 +96,11 @@ static long read_all(const char *data, size_t len)
 	return got < 0 ? -EINVAL : n;
 }
 
-static void test_damage(void)
+static void test_damage(bool packed)
 {
-	struct msgrec in = {"conv", 4, "01ARZ3NDEKTSV4RRFFQ69G5FAV", 26, 3, 2, 99, "{\"m\":1}", 7};
+	struct msgrec in = {.conv = "conv", .conv_len = 4, .sk = "01ARZ3NDEKTSV4RRFFQ69G5FAV",
+	                    .sk_len = 26, .version = 3, .client_seen = 2, .updated_ms = 99,
+	                    .map = "{\"m\":1}", .map_len = 7, .packed = packed};
 	struct buf b = {NULL, 0, 0};
 	size_t whole;
 	long cuts_refused = 0;
@@ -118,6 +136,7 @@ int main(void)
 {
 	test_round_trip();
 	test_limits();
-	test_damage();
+	test_damage(false);
+	test_damage(true);
 	return test_done("msgrec");
 }

@@ -881,20 +881,27 @@ static void test_bad_files(void)
 }
 
 /* How many rows a table holds, read with SQLite directly; -1 on failure. */
-static int64_t count_rows(const char *dir, const char *table)
+/* The first column of the first row of query q, read with SQLite directly; -1 on failure. */
+static int64_t query_int(const char *dir, const char *q)
 {
-	char path[160], q[64];
+	char path[160];
 	sqlite3 *db = NULL;
 	sqlite3_stmt *st = NULL;
 	int64_t n = -1;
 	snprintf(path, sizeof(path), "%s/convod.db", dir);
-	snprintf(q, sizeof(q), "SELECT count(*) FROM %s", table);
 	if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
 	    sqlite3_prepare_v2(db, q, -1, &st, NULL) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW)
 		n = sqlite3_column_int64(st, 0);
 	sqlite3_finalize(st);
 	sqlite3_close(db);
 	return n;
+}
+
+static int64_t count_rows(const char *dir, const char *table)
+{
+	char q[64];
+	snprintf(q, sizeof(q), "SELECT count(*) FROM %s", table);
+	return query_int(dir, q);
 }
 
 /* Copies from/name to to/name. 0 or -1. */
@@ -1205,9 +1212,130 @@ static void test_journal(void)
 	convo_free(c);
 }
 
+/* Rewrites the rows of table (segments or batches) of the store in dir as convod wrote
+ * them before schema 4: each packed record as a record of its JSON map. Returns the
+ * records rewritten, -1 on failure. */
+static long unpack_rows(const char *dir, const char *table)
+{
+	char path[160], q[96];
+	sqlite3 *db = NULL;
+	sqlite3_stmt *rd = NULL, *wr = NULL;
+	struct buf out = {NULL, 0, 0}, map = {NULL, 0, 0};
+	long n = 0;
+
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	if (sqlite3_open(path, &db) != SQLITE_OK)
+		goto fail;
+	snprintf(q, sizeof(q), "SELECT seq, data FROM %s", table);
+	if (sqlite3_prepare_v2(db, q, -1, &rd, NULL) != SQLITE_OK)
+		goto fail;
+	snprintf(q, sizeof(q), "UPDATE %s SET data = ? WHERE seq = ?", table);
+	if (sqlite3_prepare_v2(db, q, -1, &wr, NULL) != SQLITE_OK)
+		goto fail;
+	while (sqlite3_step(rd) == SQLITE_ROW) {
+		const char *data = sqlite3_column_blob(rd, 1);
+		size_t len = (size_t)sqlite3_column_bytes(rd, 1), pos = 0;
+		struct msgrec r;
+		out.len = 0;
+		while (msgrec_next(data, len, &pos, &r) == 1) {
+			struct message *m = NULL;
+			struct error e;
+			if (!r.packed ||
+			    message_unpack(r.map, r.map_len, r.sk + r.sk_len - ULID_LEN, r.version, &m,
+			                   &e) != ERR_OK)
+				goto fail;
+			map.len = 0;
+			int rc = message_write_map(&map, m);
+			message_free(m);
+			r.map = map.data;
+			r.map_len = map.len;
+			r.packed = false;
+			if (rc < 0 || msgrec_append(&out, &r) < 0)
+				goto fail;
+			n++;
+		}
+		if (pos != len)
+			goto fail;
+		sqlite3_bind_blob(wr, 1, out.data, (int)out.len, SQLITE_STATIC);
+		sqlite3_bind_int64(wr, 2, sqlite3_column_int64(rd, 0));
+		if (sqlite3_step(wr) != SQLITE_DONE)
+			goto fail;
+		sqlite3_reset(wr);
+	}
+	if (sqlite3_exec(db, "PRAGMA user_version=3", NULL, NULL, NULL) != SQLITE_OK)
+		goto fail;
+	goto done;
+fail:
+	n = -1;
+done:
+	sqlite3_finalize(rd);
+	sqlite3_finalize(wr);
+	sqlite3_close(db);
+	buf_free(&out);
+	buf_free(&map);
+	return n;
+}
+
+/* Schema 3 files (records of JSON maps, in segments and in batches a crash left) are
+ * opened as schema 4 and read the same; new records are packed and the two kinds mix. */
+static void test_schema3(void)
+{
+	char dir[128], crash[128], sk[DDBITEM_SK_MAX + 1];
+	struct convo_env env;
+	struct convo *c, *l = NULL, *l2 = NULL;
+	struct store *s;
+	json_t *map = NULL, *want;
+	uint32_t v;
+	int64_t u;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "schema-3");
+	make_dir(crash, sizeof(crash), "schema-3-crash");
+	if (!(s = open_store(dir)))
+		return;
+	c = sample(&env);
+	CHECK(c && save(s, c) == (long)c->nlog);
+	/* The crash copy keeps its records in batches; the closed store folds them. */
+	CHECK(copy_file(dir, crash, "convod.db") == 0);
+	CHECK(copy_file(dir, crash, "convod.db-wal") == 0);
+	store_close(s);
+	CHECK(unpack_rows(dir, "segments") == (long)c->nlog);
+	CHECK(unpack_rows(crash, "batches") == (long)c->nlog);
+	for (int i = 0; i < 2; i++) {
+		const char *d = i ? crash : dir;
+		if (!(s = open_store(d)))
+			continue;
+		CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0 && l);
+		CHECK_SAME(c, l);
+		/* A message's map, as the sink reads it, is the one in memory. */
+		sort_key_of(c->log[0], sk);
+		CHECK(store_message_get(s, conv_id, CONV_ID_LEN, sk, &map, &v, &u) == 0 && map);
+		want = message_to_map(c->log[0]);
+		CHECK(json_equal(map, want) && v == c->log[0]->version);
+		json_decref(want);
+		json_decref(map);
+		map = NULL;
+		/* New versions, packed, among the JSON ones. */
+		if (l) {
+			set_metadata(l, &env, 0, "{\"playEnd\":1744815823300}", NULL);
+			CHECK(add1(l, &env, ROLE_ASSISTANT, "One more.") != NULL);
+			CHECK(save(s, l) == 2);
+			CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l2) == 0 && l2);
+			CHECK_SAME(l, l2);
+		}
+		convo_free(l);
+		convo_free(l2);
+		l = l2 = NULL;
+		store_close(s);
+		CHECK(query_int(d, "PRAGMA user_version") == 4);
+	}
+	convo_free(c);
+}
+
 /* Changes the records of conversation conv's segments behind the store's back: kind 0 cuts
- * the row, 1-5 spoil a field of the first record, 6 drops the next-to-last record (an
- * assistant message, which breaks the view). */
+ * the row, 1-5 spoil a field of the first record (1 and 2 as a record of a JSON map), 6 drops
+ * the next-to-last record (an assistant message, which breaks the view), 7 cuts the first
+ * record's packed map by a byte, 8 gives it an unknown role. */
 static void damage_segment(const char *dir, const char *conv, int kind)
 {
 	char path[160];
@@ -1217,6 +1345,7 @@ static void damage_segment(const char *dir, const char *conv, int kind)
 	struct msgrec r[64];
 	size_t n = 0, pos = 0;
 	int64_t seq = 0;
+	char role[256];
 
 	snprintf(path, sizeof(path), "%s/convod.db", dir);
 	CHECK(sqlite3_open(path, &db) == SQLITE_OK);
@@ -1234,10 +1363,12 @@ static void damage_segment(const char *dir, const char *conv, int kind)
 	case 1:
 		r[0].map = "{\"id\":";
 		r[0].map_len = 6;
+		r[0].packed = false;
 		break;
 	case 2:
 		r[0].map = "{\"id\":\"nope\"}";
 		r[0].map_len = 13;
+		r[0].packed = false;
 		break;
 	case 3:
 		r[0].sk_len--;
@@ -1251,6 +1382,16 @@ static void damage_segment(const char *dir, const char *conv, int kind)
 	case 6:
 		memmove(&r[n - 2], &r[n - 1], sizeof(r[0]));
 		n--;
+		break;
+	case 7:
+		CHECK(r[0].packed);
+		r[0].map_len--;
+		break;
+	case 8:
+		CHECK(r[0].packed && r[0].map_len > 0 && r[0].map_len <= sizeof(role));
+		role[0] = 3;
+		memcpy(role + 1, r[0].map + 1, r[0].map_len - 1);
+		r[0].map = role;
 		break;
 	}
 	for (size_t i = 0; i < n; i++)
@@ -1283,7 +1424,7 @@ static void test_bad_rows(void)
 	int64_t u;
 
 	env_init(&env, T0);
-	for (int kind = 0; kind <= 6; kind++) {
+	for (int kind = 0; kind <= 8; kind++) {
 		char name[32];
 		snprintf(name, sizeof(name), "bad-row-%d", kind);
 		make_dir(dir, sizeof(dir), name);
@@ -1300,7 +1441,7 @@ static void test_bad_rows(void)
 		CHECK(store_load_conversation(s, "victim", 6, &l) == -EIO && !l);
 		memset(&k, 0, sizeof(k));
 		CHECK(store_load_open(s, collect_cb, &k) == -EIO && k.n == 0);
-		if (kind == 1) {
+		if (kind == 1 || kind == 7) {
 			sort_key_of(c->log[0], sk);
 			CHECK(store_message_get(s, "victim", 6, sk, &map, &v, &u) == -EIO && !map);
 		}
@@ -1727,6 +1868,7 @@ int main(void)
 	test_purge();
 	test_transactions();
 	test_journal();
+	test_schema3();
 	test_bad_files();
 	test_bad_rows();
 	test_unwritable();
