@@ -2216,8 +2216,8 @@ static int record_decode(struct store *s, const char *conv, size_t conv_len,
 	}
 	if (r->packed) {
 		/* The id is the sort key's end (see message_sort_key). */
-		const char *id = r->sk + r->sk_len - ULID_LEN;
-		if (r->sk_len < ULID_LEN || !ulid_valid(id, ULID_LEN)) {
+		const char *id = r->sk_len < ULID_LEN ? NULL : r->sk + r->sk_len - ULID_LEN;
+		if (!id || !ulid_valid(id, ULID_LEN)) {
 			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, "bad sort key");
 			goto out;
 		}
