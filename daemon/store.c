@@ -53,9 +53,13 @@
  * conversation and cycle costs about a page of WAL beyond its records (the index, the
  * table's inner pages), so fewer, longer segments write less: 16384 -> 65536 at 1000
  * conversations, 0.12 -> 0.09 WAL pages per record folded, and in paired runs at a
- * pipeline of 16, 442k -> 489k req/s (medians of 4). Pending records then take up to
- * about 35 MB, 70 MB when the fold falls behind (STORE_FOLD_BEHIND). */
-#define STORE_FOLD_RECORDS 65536
+ * pipeline of 16, 442k -> 489k req/s (medians of 4), with JSON records. Packed records
+ * (schema 4) write half as much, and longer cycles then cost the tail more than they
+ * gain: paired runs at 50 connections, 6 each, 65536 -> 32768: p1 p99 0.93 -> 0.82 ms
+ * (medians) and max 26-39 -> 14-23 ms at the same req/s, p16 516k -> 479k; 131072 gave
+ * p1 164k -> 172k req/s but p99 1.02 -> 1.09 ms and max 44-51 ms. Pending records are
+ * at most half as many as at 65536 (see STORE_FOLD_BEHIND), each about half the size. */
+#define STORE_FOLD_RECORDS 32768
 /* The fold's steps, in transactions of their own while the writer has nothing to write:
  * about this many records each (short: a commit may wait behind one). */
 #define STORE_FOLD_IDLE_STEP 128

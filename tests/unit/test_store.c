@@ -1055,7 +1055,7 @@ static void write_old_store(const char *dir, const struct convo *c, int version)
 }
 
 /* Message records go to one journal row per commit and stay pending in memory; a fold
- * cycle starts once so many are pending (16384 here, 65536 by default), writes one segment per
+ * cycle starts once so many are pending (16384 here, 32768 by default), writes one segment per
  * conversation a few conversations after each commit, and deletes its journal rows at its
  * end. Reads merge segments, pending records and the open transaction's, the newest version
  * of each message winning. close folds everything; a crash leaves journal rows that the
