@@ -274,7 +274,7 @@ struct store {
 	/* The loop's side: the open transaction. */
 	bool in_txn;
 	int txn_err;      /* first failed write of the open transaction, 0 if none */
-	struct buf json;  /* JSON text of the last store_put_message, reused */
+	struct buf packed; /* packed map of the last store_put_message, reused */
 	struct buf batch; /* message records of the open transaction */
 	size_t batch_records;
 	struct buf ops;   /* its other writes (op_record) */
@@ -1882,7 +1882,7 @@ void store_close(struct store *s)
 		log_msg(LOG_ERROR, "store", "%s: close: %s", s->path, sqlite3_errmsg(s->db));
 	pending_free(&s->cur);
 	pending_free(&s->next);
-	buf_free(&s->json);
+	buf_free(&s->packed);
 	buf_free(&s->batch);
 	buf_free(&s->ops);
 	if (s->locks_ready) {
@@ -2087,8 +2087,8 @@ int store_put_message(struct store *s, const char *conv, size_t conv_len, const 
 	if (!conv || !m || !m->version || (m->role == ROLE_SUMMARY && !m->nsummary_ids))
 		return -EINVAL;
 	message_sort_key(m, sk);
-	s->json.len = 0;
-	if ((rc = message_pack(&s->json, m)) < 0)
+	s->packed.len = 0;
+	if ((rc = message_pack(&s->packed, m)) < 0)
 		goto out;
 	r.conv = conv;
 	r.conv_len = conv_len;
@@ -2097,15 +2097,15 @@ int store_put_message(struct store *s, const char *conv, size_t conv_len, const 
 	r.version = m->version;
 	r.client_seen = m->seen[CONSUMER_CLIENT];
 	r.updated_ms = m->updated_ms;
-	r.map = s->json.data;
-	r.map_len = s->json.len;
+	r.map = s->packed.data;
+	r.map_len = s->packed.len;
 	r.packed = true;
 	if ((rc = msgrec_append(&s->batch, &r)) == 0)
 		s->batch_records++;
 out:
-	if (s->json.cap > STORE_BUF_KEEP)
-		buf_free(&s->json);
-	s->json.len = 0;
+	if (s->packed.cap > STORE_BUF_KEEP)
+		buf_free(&s->packed);
+	s->packed.len = 0;
 	return write_done(s, rc);
 }
 
@@ -2206,7 +2206,7 @@ static int64_t key_version(struct store *s, enum stmt_id id, const char *conv, s
 static int record_decode(struct store *s, const char *conv, size_t conv_len,
                          const struct msgrec *r, struct message **out)
 {
-	char key[DDBITEM_SK_MAX + 1];
+	char key[MESSAGE_SK_MAX + 1];
 	struct message *m = NULL;
 	struct error e;
 	json_error_t je;
@@ -2229,7 +2229,6 @@ static int record_decode(struct store *s, const char *conv, size_t conv_len,
 			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
 			goto out;
 		}
-		message_sort_key(m, key);
 	} else {
 		if (!(map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je))) {
 			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, je.text);
@@ -2239,10 +2238,11 @@ static int record_decode(struct store *s, const char *conv, size_t conv_len,
 			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
 			goto out;
 		}
-		if (ddbitem_sort_key(map, key, &e) != ERR_OK)
-			key[0] = '\0';
 	}
-	if (strlen(key) != r->sk_len || memcmp(key, r->sk, r->sk_len) != 0) {
+	/* store_put_message keys a summary by the last id it summarizes: one without any
+	 * was never written. */
+	message_sort_key(m, key);
+	if ((m->role == ROLE_SUMMARY && !m->nsummary_ids) || strlen(key) != r->sk_len || memcmp(key, r->sk, r->sk_len) != 0) {
 		rc = bad_row(s, conv, conv_len, r->sk, r->sk_len,
 		             "sort key does not match the message");
 		goto out;
@@ -2701,7 +2701,7 @@ int store_idle(struct store *s)
 	if (s->in_txn)
 		return -EINVAL;
 	buf_free(&s->batch);
-	buf_free(&s->json);
+	buf_free(&s->packed);
 	buf_free(&s->ops);
 	pthread_mutex_lock(&s->qmu);
 	s->idle_wanted = true;

@@ -560,7 +560,7 @@ fail:
  *   varint ncontents (>= 1), then each: varint length, bytes
  *   u8 timing keys set (bit k for timing[k]; bit 0, creation, always), then each: varint
  *   varint nsummary_ids, then each: its ULID_LEN characters
- *   aux when present: varint length, compact JSON text
+ *   aux when present: its compact JSON text, to the end (the map's length bounds it)
  */
 #define PACK_ROLE 0x03u
 #define PACK_FAKE 0x04u
@@ -591,21 +591,7 @@ int message_pack(struct buf *b, const struct message *m)
 	for (uint32_t i = 0; i < m->nsummary_ids; i++)
 		if (buf_append(b, m->summary_ids[i], ULID_LEN) < 0)
 			return -ENOMEM;
-	if (m->aux) {
-		size_t at = b->len;
-		int rc;
-		/* The length goes before the text: written after it, then moved in front. */
-		if ((rc = buf_append_json(b, m->aux)) < 0)
-			return rc;
-		char len[10];
-		size_t n = b->len - at, k = buf_varint(len, n);
-		if (buf_reserve(b, k) < 0)
-			return -ENOMEM;
-		memmove(b->data + at + k, b->data + at, n);
-		memcpy(b->data + at, len, k);
-		b->len += k;
-	}
-	return 0;
+	return m->aux ? buf_append_json(b, m->aux) : 0;
 }
 
 /* Whether s[0..n) is valid UTF-8 (NUL bytes allowed, as in contents). */
@@ -703,18 +689,14 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 	}
 	if (flags & PACK_AUX) {
 		json_error_t je;
-		what = "cut short";
-		if (!get_room(&p, end, 1, &v))
-			goto bad;
-		m->aux = json_loadb(p, (size_t)v, JSON_ALLOW_NUL, &je);
+		m->aux = json_loadb(p, (size_t)(end - p), JSON_ALLOW_NUL, &je);
 		what = "aux: not a non-empty object";
 		if (!json_is_object(m->aux) || !json_object_size(m->aux))
 			goto bad;
-		p += v;
-	}
-	what = "bytes after its end";
-	if (p != end)
+	} else if (p != end) {
+		what = "bytes after its end";
 		goto bad;
+	}
 	m->updated_ms = m->timing[TIMING_CREATION];
 	*out = m;
 	return ERR_OK;
