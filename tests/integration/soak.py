@@ -393,9 +393,11 @@ class Soak:
         self.last_mid = {}
         # For "a closed conversation is not restored at start" (persistence.md, promise 5):
         # requests naming each conversation still unanswered, conversations that a request
-        # lost unanswered may have changed at any time, and the conversations whose last
-        # request was a close sent when nothing else on them was under way.
+        # lost unanswered may have changed at any time, the last request sent naming each
+        # conversation, and the conversations whose last request was a close sent when
+        # nothing else on them was under way.
         self.conv_open = collections.Counter()
+        self.conv_last = {}
         self.conv_unknown = set()
         self.closed_clean = {}
         self.sel = selectors.DefaultSelector()
@@ -531,6 +533,7 @@ class Soak:
             self.ledger.add(e)
         c.pending.append(r)
         if conv is not None:
+            self.conv_last[conv] = r.id
             if kind == "close":
                 r.extra = self.conv_open[conv] == 0 and conv not in self.conv_unknown
             else:
@@ -715,7 +718,13 @@ class Soak:
             if kind != "close":
                 self.conv_open[q.conv] -= 1
             elif ok and q.extra:
-                self.closed_clean[q.conv] = q.id
+                # Only if nothing was sent on it after the close: a request from another
+                # connection sent before this answer came may have reached the daemon after
+                # the close, and any request reopens a closed conversation.
+                if self.conv_last.get(q.conv) == q.id:
+                    self.closed_clean[q.conv] = q.id
+                else:
+                    self.stats["close_overtaken"] += 1
         if kind == "add":
             self._answer_add(q, r, ok, ack)
         elif kind == "sinfo":
@@ -1244,10 +1253,11 @@ class Soak:
             "lines" % (L["sent"], L["acked"], L["refused"], L["unknown"], L["never"]),
             "conversations: %d used (%d retired), %d checked at the end with %d messages; "
             "%d checked right after the restart; %d full reads checked live; %d closed before "
-            "the kill and untouched since, %d of them restored as open" % (
+            "the kill and untouched since, %d of them restored as open (%d closes not counted: "
+            "another request on the conversation was sent before their answer)" % (
                 len(self.convs_used), s["retired"], s["conversations"], s["messages"],
                 s["checked_after_restart"], s["verified"], s["closed_before_kill"],
-                s["closed_restored"]),
+                s["closed_restored"], s["close_overtaken"]),
             "sink states: " + modes,
             "proxy: %d requests, %d forwarded; faults: %s" % (
                 pc.get("requests", 0), pc.get("forwarded", 0), ", ".join(

@@ -10,6 +10,7 @@ and the loop's timing still vary), CONVOD_SOAK_RSS (raw: VmRSS as it is; trimmed
 the daemon was made to call malloc_trim(0) through gdb). The by-hand version is
 `python3 tests/integration/soak.py --minutes 10 --connections 200`.
 """
+import json
 import os
 
 import soak
@@ -120,3 +121,38 @@ def test_llm_view():
             _msg("01C", "user", ["v"])]
     assert soak.llm_view(maps) == ([maps[3]], ["sum"])
     assert soak.llm_view(maps[:2]) == (maps[:2], None)
+
+
+def test_close_bookkeeping():
+    """A close counts as "closed and untouched since" only if it was the last request sent
+    on its conversation when its answer came: a request another connection sent before that
+    answer may reach the daemon after the close, and reopens the conversation (the race
+    behind a false failure of the soak under valgrind, CI at 7acfb17)."""
+    s = soak.Soak(None, None, None, None, soak.Config(seconds=1, connections=2, seed=1,
+                                                       log=lambda *a: None))
+    a, b = s.clients
+    # Unhindered: the close was the last request and nothing was under way.
+    s._send(a, {"op": "close", "conversation": "c1"}, "close", "c1", flush=False)
+    s._answer(a, json.dumps({"id": s.next_id, "ok": True, "result": {"flushed": 0}}))
+    assert "c1" in s.closed_clean
+    # Overtaken: b reads c2 after a's close was sent, before its answer came.
+    s._send(a, {"op": "close", "conversation": "c2"}, "close", "c2", flush=False)
+    close_id = s.next_id
+    s._send(b, {"op": "describe", "conversation": "c2"}, "read", "c2", flush=False)
+    read_id = s.next_id
+    s._answer(b, json.dumps({"id": read_id, "ok": True, "result": {}}))
+    s._answer(a, json.dumps({"id": close_id, "ok": True, "result": {"flushed": 0}}))
+    assert "c2" not in s.closed_clean
+    assert s.stats["close_overtaken"] == 1
+    # Sent while a request on it was under way: not counted either.
+    s._send(b, {"op": "describe", "conversation": "c3"}, "read", "c3", flush=False)
+    read_id = s.next_id
+    s._send(a, {"op": "close", "conversation": "c3"}, "close", "c3", flush=False)
+    close_id = s.next_id
+    s._answer(b, json.dumps({"id": read_id, "ok": True, "result": {}}))
+    s._answer(a, json.dumps({"id": close_id, "ok": True, "result": {"flushed": 0}}))
+    assert "c3" not in s.closed_clean
+    # A later request takes a clean close back out.
+    s._send(b, {"op": "describe", "conversation": "c1"}, "read", "c1", flush=False)
+    assert "c1" not in s.closed_clean
+    assert not s.failures
