@@ -275,6 +275,13 @@ static const struct command commands[] = {
         .help = "print the spool (writes not yet confirmed) and the sink's counters",
     },
     {
+        .name = "store",
+        .op = "stats",
+        .select = {"store"},
+        .synopsis = "",
+        .help = "print the local store's counters: commits, the fold, checkpoints, file sizes",
+    },
+    {
         .name = "dead-letters",
         .op = "dead_letters",
         .groups = G_LIMIT,

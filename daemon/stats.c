@@ -116,6 +116,17 @@ static bool prom_is_counter(const char *name)
 	    "convod_sink_failures",
 	    "convod_sink_dead_lettered",
 	    "convod_sink_unprocessed",
+	    "convod_store_commits",
+	    "convod_store_turns",
+	    "convod_store_inline_commits",
+	    "convod_store_records",
+	    "convod_store_commit_ns",
+	    "convod_store_fold_cycles",
+	    "convod_store_fold_segments",
+	    "convod_store_fold_records",
+	    "convod_store_fold_ns",
+	    "convod_store_checkpoints",
+	    "convod_store_checkpoint_ns",
 	};
 	for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++)
 		if (strcmp(name, counters[i]) == 0)

@@ -9,6 +9,7 @@
 #include <pthread.h>
 #include <sqlite3.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -233,7 +234,8 @@ struct checkpointer {
 	bool running;      /* a checkpoint runs: the thread's, or the writer's own */
 	int last_rc;       /* SQLite code of the last checkpoint */
 	int reported_rc;   /* what wal_hook last logged */
-	uint64_t runs;     /* checkpoints done */
+	uint64_t runs;     /* checkpoints done (the thread's and the writer's own) */
+	uint64_t ns;       /* time in them */
 	const char *path;  /* the store's */
 	enum durability durability;
 };
@@ -266,8 +268,15 @@ struct pending {
 	uint64_t last_seq; /* of the newest batch here */
 };
 
+/* The counters of store_stats: written by whichever thread writes, read by the loop. */
+struct store_counters {
+	_Atomic uint64_t commits, turns, inline_commits, records, commit_ns, commit_max_ns, pending,
+	    fold_cycles, fold_segments, fold_records, fold_ns, wal_pages;
+};
+
 struct store {
 	sqlite3 *db;
+	struct store_counters n;
 	struct checkpointer ck;
 	char *path; /* DIR/convod.db, for messages */
 	sqlite3_stmt *st[ST_COUNT];
@@ -306,6 +315,7 @@ struct store {
 	size_t cursor;       /* cur's next entry to fold */
 	size_t txn_cursor;   /* cursor when the open transaction began */
 	bool txn_fold_started, txn_fold_ended; /* what the transaction's fold step did */
+	size_t txn_segments, txn_folded;       /* and how much it wrote */
 	bool sink_rows;      /* spool or confirmed rows may exist: loads look them up */
 	uint64_t hash_key[2];
 };
@@ -326,6 +336,28 @@ int store_durability_parse(const char *s, enum durability *out)
 const char *store_durability_str(enum durability d)
 {
 	return d <= DURABILITY_MACHINE ? durability_names[d] : "unknown";
+}
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void count_add(_Atomic uint64_t *c, uint64_t v)
+{
+	atomic_fetch_add_explicit(c, v, memory_order_relaxed);
+}
+
+static void count_set(_Atomic uint64_t *c, uint64_t v)
+{
+	atomic_store_explicit(c, v, memory_order_relaxed);
+}
+
+static uint64_t count_get(_Atomic uint64_t *c)
+{
+	return atomic_load_explicit(c, memory_order_relaxed);
 }
 
 static void set_errbuf(char *errbuf, size_t errlen, const char *fmt, ...)
@@ -676,10 +708,13 @@ static void *checkpointer_main(void *arg)
 				db = NULL;
 			}
 		}
+		uint64_t t0 = mono_ns();
 		if (db)
 			rc = sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL,
 			                               NULL);
+		t0 = mono_ns() - t0;
 		pthread_mutex_lock(&ck->mu);
+		ck->ns += t0;
 		ck->running = false;
 		/* SQLITE_BUSY: the WAL was being started over at that moment; the next round
 		 * copies what this one could not. Not a failure to report. */
@@ -714,6 +749,7 @@ static int checkpoint_ask(struct checkpointer *ck)
 static int checkpoint_after_round(struct checkpointer *ck, sqlite3 *db, const char *name,
                                   pthread_mutex_t *conn_lock)
 {
+	uint64_t t0;
 	int rc;
 
 	pthread_mutex_lock(&ck->mu);
@@ -723,11 +759,15 @@ static int checkpoint_after_round(struct checkpointer *ck, sqlite3 *db, const ch
 	pthread_mutex_unlock(&ck->mu);
 	if (conn_lock)
 		pthread_mutex_lock(conn_lock);
+	t0 = mono_ns();
 	rc = sqlite3_wal_checkpoint_v2(db, name, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
+	t0 = mono_ns() - t0;
 	if (conn_lock)
 		pthread_mutex_unlock(conn_lock);
 	pthread_mutex_lock(&ck->mu);
 	ck->running = false;
+	ck->runs++;
+	ck->ns += t0;
 	ck->last_rc = rc;
 	pthread_cond_broadcast(&ck->cv);
 	pthread_mutex_unlock(&ck->mu);
@@ -742,6 +782,7 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 	struct checkpointer *ck = &s->ck;
 	int rc;
 
+	count_set(&s->n.wal_pages, (uint64_t)(pages > 0 ? pages : 0));
 	if (pages < s->checkpoint_pages)
 		return SQLITE_OK;
 	if (pages >= s->wal_hard_pages && s->writer_started &&
@@ -807,6 +848,42 @@ static void checkpointer_stop(struct store *s)
 	pthread_cond_destroy(&ck->cv);
 	pthread_mutex_destroy(&ck->mu);
 	ck->started = false;
+}
+
+static uint64_t file_bytes(const char *path, const char *suffix)
+{
+	char name[4096];
+	struct stat st;
+
+	if (snprintf(name, sizeof(name), "%s%s", path, suffix) >= (int)sizeof(name) ||
+	    stat(name, &st) < 0)
+		return 0;
+	return (uint64_t)st.st_size;
+}
+
+void store_stats(struct store *s, struct store_stats *o)
+{
+	memset(o, 0, sizeof(*o));
+	o->commits = count_get(&s->n.commits);
+	o->turns = count_get(&s->n.turns);
+	o->inline_commits = count_get(&s->n.inline_commits);
+	o->records = count_get(&s->n.records);
+	o->commit_ns = count_get(&s->n.commit_ns);
+	o->commit_max_ns = count_get(&s->n.commit_max_ns);
+	o->pending = count_get(&s->n.pending);
+	o->fold_cycles = count_get(&s->n.fold_cycles);
+	o->fold_segments = count_get(&s->n.fold_segments);
+	o->fold_records = count_get(&s->n.fold_records);
+	o->fold_ns = count_get(&s->n.fold_ns);
+	o->wal_pages = count_get(&s->n.wal_pages);
+	if (s->ck.started) {
+		pthread_mutex_lock(&s->ck.mu);
+		o->checkpoints = s->ck.runs;
+		o->checkpoint_ns = s->ck.ns;
+		pthread_mutex_unlock(&s->ck.mu);
+	}
+	o->db_bytes = file_bytes(s->path, "");
+	o->wal_bytes = file_bytes(s->path, "-wal");
 }
 
 uint64_t store_checkpoints(struct store *s)
@@ -1044,8 +1121,8 @@ static int write_segment(struct store *s, const struct pending *p, const struct 
 		if ((rc = bind_conv(st, 1, c->id, c->id_len)) != SQLITE_OK ||
 		    (rc = sqlite3_bind_blob64(st, 2, seg->data, seg->len, SQLITE_STATIC)) != SQLITE_OK)
 			rc = fail(s, st, rc);
-		else
-			rc = run(s, st);
+		else if ((rc = run(s, st)) == 0)
+			s->txn_segments++;
 	}
 	if (v != small)
 		free(v);
@@ -1078,6 +1155,7 @@ static int fold_step(struct store *s, size_t want, bool force)
 		const struct pconv *c = &s->cur.convs[s->cursor++];
 		rc = write_segment(s, &s->cur, c, &seg);
 		folded += c->n;
+		s->txn_folded += c->n;
 	}
 	if (!rc && s->cursor >= s->cur.nconvs) {
 		sqlite3_stmt *st = s->st[ST_BATCH_DELETE];
@@ -1102,6 +1180,7 @@ static int tx_begin(struct store *s)
 		return rc;
 	s->txn_cursor = s->cursor;
 	s->txn_fold_started = s->txn_fold_ended = false;
+	s->txn_segments = s->txn_folded = 0;
 	return 0;
 }
 
@@ -1132,8 +1211,13 @@ static int tx_commit(struct store *s)
 	if (s->txn_fold_ended) {
 		pending_reset(&s->cur);
 		s->cursor = 0;
+		count_add(&s->n.fold_cycles, 1);
 	}
+	count_add(&s->n.fold_segments, s->txn_segments);
+	count_add(&s->n.fold_records, s->txn_folded);
+	count_set(&s->n.pending, s->cur.nentries + s->next.nentries);
 	s->txn_fold_started = s->txn_fold_ended = false;
+	s->txn_segments = s->txn_folded = 0;
 	return 0;
 }
 
@@ -1407,11 +1491,13 @@ static void job_free(struct job *j)
 /* Writes jobs (all JOB_WRITE) in one transaction. 0 or -errno (rolled back). */
 static int write_jobs(struct store *s, struct job *jobs)
 {
-	size_t recs = 0, nbatches = 0;
+	size_t recs = 0, nbatches = 0, njobs = 0;
+	uint64_t t0 = mono_ns(), max;
 	int rc = tx_begin(s);
 
 	for (struct job *j = jobs; j && !rc; j = j->next) {
 		const char *p = j->ops, *end = j->ops + j->ops_len;
+		njobs++;
 		recs += j->nrecs;
 		nbatches += j->recs_len ? 1 : 0;
 		while (p && p < end && !rc) {
@@ -1452,6 +1538,15 @@ static int write_jobs(struct store *s, struct job *jobs)
 		pending_add(s, &s->next, j->recs, j->recs_len, j->seq);
 		j->recs = NULL; /* the pending records own it now */
 	}
+	count_set(&s->n.pending, s->cur.nentries + s->next.nentries);
+	t0 = mono_ns() - t0;
+	count_add(&s->n.commits, 1);
+	count_add(&s->n.turns, njobs);
+	count_add(&s->n.records, recs);
+	count_add(&s->n.commit_ns, t0);
+	/* Only this thread (or the loop, with the connection held) writes it. */
+	if (t0 > (max = count_get(&s->n.commit_max_ns)))
+		count_set(&s->n.commit_max_ns, t0);
 	return 0;
 }
 
@@ -1544,6 +1639,7 @@ static bool fold_idle(struct store *s, bool all)
 
 	pthread_mutex_lock(&s->dbmu);
 	if ((more = fold_wanted(s, all))) {
+		uint64_t t0 = mono_ns();
 		if (s->durability == DURABILITY_MACHINE)
 			sqlite3_exec(s->db, "PRAGMA synchronous=NORMAL", NULL, NULL, NULL);
 		if (tx_begin(s) == 0) {
@@ -1556,6 +1652,7 @@ static bool fold_idle(struct store *s, bool all)
 		}
 		if (s->durability == DURABILITY_MACHINE)
 			sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL);
+		count_add(&s->n.fold_ns, mono_ns() - t0);
 		more = more && fold_wanted(s, all);
 	}
 	pthread_mutex_unlock(&s->dbmu);
@@ -2024,6 +2121,7 @@ int store_submit(struct store *s, uint64_t *seq)
 		pthread_mutex_unlock(&s->qmu);
 		rc = write_jobs(s, j);
 		pthread_mutex_unlock(&s->dbmu);
+		count_add(&s->n.inline_commits, rc == 0);
 		pthread_mutex_lock(&s->qmu);
 		s->busy = false;
 		if (!rc)

@@ -75,10 +75,33 @@ struct store_progress {
 void store_set_wake(struct store *s, void (*wake)(void *arg), void *arg);
 void store_progress(struct store *s, struct store_progress *p);
 void store_failure_ack(struct store *s);
-/* Checkpoints the background thread has run since store_open (WAL copied back into the
- * database file once it holds 1000 pages, 4000 at durability machine; the commits never
- * wait for it). */
+/* Checkpoints run since store_open: the background thread's rounds (the WAL copied back
+ * into the database file once it holds STORE_CHECKPOINT_PAGES; commits never wait for
+ * them) and the writer's own when the WAL reached its bound. */
 uint64_t store_checkpoints(struct store *s);
+
+/* What the store has done since store_open, for the `stats` op (proto/protocol.md). Safe
+ * from the loop at any time: counters are read without waiting for the writer. */
+struct store_stats {
+	uint64_t commits;        /* transactions that wrote the loop's turns (group commits) */
+	uint64_t turns;          /* loop turns they held (turns / commits: the group size) */
+	uint64_t inline_commits; /* commits the loop wrote itself (durability process) */
+	uint64_t records;        /* message records committed */
+	uint64_t commit_ns;      /* time writing those commits, the sync included */
+	uint64_t commit_max_ns;  /* the longest one */
+	uint64_t pending;        /* records committed, not yet folded into segments */
+	uint64_t fold_cycles;    /* fold cycles ended */
+	uint64_t fold_segments;  /* segment rows written */
+	uint64_t fold_records;   /* records in them */
+	uint64_t fold_ns;        /* time in fold steps of their own (steps inside a commit
+	                          * count in commit_ns) */
+	uint64_t checkpoints;    /* as store_checkpoints */
+	uint64_t checkpoint_ns;  /* time in them */
+	uint64_t wal_pages;      /* pages in the WAL after the last commit */
+	uint64_t db_bytes;       /* size of the database file and of its WAL now */
+	uint64_t wal_bytes;
+};
+void store_stats(struct store *s, struct store_stats *out);
 void store_rollback(struct store *s); /* no-op outside a transaction */
 /* True between store_begin and the commit or rollback. */
 bool store_in_transaction(const struct store *s);

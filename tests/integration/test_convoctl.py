@@ -21,7 +21,7 @@ from conftest import CONVOCTL, ROOT, TIMEOUT_SCALE
 MAN_PAGE = os.path.join(ROOT, "clients", "convoctl.1")
 COMMANDS = ["add-user", "add-assistant", "add-message", "get-messages", "summary-info",
             "add-summary", "last-summary", "messages-map", "set-metadata", "describe", "flush",
-            "close", "list", "stats", "ping", "metrics", "spool", "dead-letters",
+            "close", "list", "stats", "ping", "metrics", "spool", "store", "dead-letters",
             "retry-dead-letters", "create-table", "follow", "raw"]
 
 
@@ -133,6 +133,7 @@ def test_version_matches_daemon(ctl_json):
     ["metrics", "extra"],
     ["metrics", "--format", "json"],
     ["spool", "x"],
+    ["store", "x"],
     ["dead-letters", "--limit"],
     ["dead-letters", "--limit", "ten"],
     ["dead-letters", "--limit", "1", "x"],
@@ -520,7 +521,7 @@ def test_stats_and_ping(ctl_json):
     ctl_json("ping")
     after = ctl_json("stats")
     for key in ("version", "uptime_ms", "connections", "conversations", "messages",
-                "requests", "errors", "spool", "sink"):
+                "requests", "errors", "spool", "sink", "store"):
         assert key in after, key
     assert after["requests"]["by_op"]["add_user"] == before["requests"]["by_op"].get(
         "add_user", 0) + 1
@@ -698,6 +699,17 @@ def test_spool_prints_the_spool_and_sink_of_stats(ctl_json):
     assert set(out["sink"]) == set(stats["sink"])
     assert out["sink"]["kind"] == "local"
     assert out["spool"]["items"] == 0 and out["sink"]["dead_lettered"] == 0
+
+
+def test_store_prints_the_store_of_stats(ctl_json):
+    before = ctl_json("store")
+    assert set(before) == {"store"}
+    ctl_json("add-user", "so1", "Hi")
+    after = ctl_json("store")["store"]
+    assert set(after) == set(ctl_json("stats")["store"]) >= {"commits", "fold", "db_bytes"}
+    assert after["durability"] == "process"
+    assert after["commits"] > before["store"]["commits"]
+    assert after["records"] >= before["store"]["records"] + 1
 
 
 def test_dead_letters_empty_and_retry_nothing(ctl, ctl_json):

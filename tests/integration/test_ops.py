@@ -1,6 +1,7 @@
 """Every op of protocol.md end to end against the real convod: the worked example of
 semantics.md over the socket, merges, fake messages, summaries, versions, renderings,
 metadata, incremental maps, flush/close, list, stats and ping."""
+import json
 import os
 import re
 import time
@@ -784,3 +785,59 @@ def test_stats_time_by_op_counts_daemon_time(daemon):
     assert "# TYPE convod_requests_time_ns_by_op_total counter" in text
     assert re.search(r'^convod_requests_time_ns_by_op_total\{op="get_messages"\} [1-9][0-9]*$',
                      text, re.M)
+
+
+def test_stats_store(daemon_factory):
+    """stats.store counts the local store's work: group commits and the turns and message
+    versions they held, their time, the fold that later takes every version into its
+    conversation's segment when the daemon is quiet, and the files' sizes; null without a
+    store, and counters or gauges in the Prometheus text."""
+    scale = float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))
+    d = daemon_factory(["--flush-interval", "100"])
+    c = d.connect()
+    s0 = stats(c)["store"]
+    assert s0["durability"] == "process"
+    for i in range(120):
+        add(c, "add_user" if i % 2 == 0 else "add_assistant", "st-%d" % (i % 3), "m%d" % i)
+    # Three more in one write: one turn, one commit (at most one more, for a split read).
+    c.sock.sendall(b"".join(json.dumps({"op": "add_user", "conversation": "st-x",
+                                        "contents": "p%d" % i, "id": i}).encode() + b"\n"
+                            for i in range(3)))
+    for _ in range(3):
+        assert c.recv()["ok"]
+    s1 = stats(c)["store"]
+    commits = s1["commits"] - s0["commits"]
+    assert 1 <= commits <= 123
+    assert s1["turns"] - s0["turns"] >= commits
+    # Each of the 120 adds is a new message, committed alone; the three merge into one
+    # message, which is written once per commit whatever changed it in that turn.
+    assert 121 <= s1["records"] - s0["records"] <= 123
+    assert s1["commit_ns"] > s0["commit_ns"]
+    assert s1["commit_max_ns"] * commits >= s1["commit_ns"] - s0["commit_ns"]
+    assert s1["inline_commits"] <= s1["commits"]
+    assert s1["db_bytes"] > 0 and s1["wal_bytes"] > 0 and s1["wal_pages"] > 0
+    # A quiet tick folds what is pending into segments, one per conversation here.
+    deadline = time.monotonic() + 20 * scale
+    while True:
+        s2 = stats(c)["store"]
+        if s2["pending_records"] == 0 and s2["fold"]["records"] >= 121:
+            break
+        assert time.monotonic() < deadline, s2
+        time.sleep(0.05)
+    assert s2["fold"]["cycles"] >= 1 and s2["fold"]["segments"] >= 4 and s2["fold"]["ns"] > 0
+    text = c.ok({"op": "stats", "format": "prometheus"})["text"]
+    assert "# TYPE convod_store_commits counter" in text
+    assert "# TYPE convod_store_pending_records gauge" in text
+    assert re.search(r"^convod_store_fold_records [1-9][0-9]*$", text, re.M)
+    assert "durability" not in text  # strings are left out
+    # machine: every commit goes through the writer thread, which syncs it.
+    m = daemon_factory(["--durability", "machine"]).connect()
+    add(m, "add_user", "st-m", "hello")
+    sm = stats(m)["store"]
+    assert sm["durability"] == "machine"
+    assert sm["commits"] >= 1 and sm["inline_commits"] == 0 and sm["records"] >= 1
+    # No store: null, and no store metric.
+    n = daemon_factory(["--memory-only"]).connect()
+    add(n, "add_user", "st-n", "hello")
+    assert stats(n)["store"] is None
+    assert "convod_store" not in n.ok({"op": "stats", "format": "prometheus"})["text"]

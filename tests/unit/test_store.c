@@ -1070,7 +1070,8 @@ static void test_journal(void)
 	json_t *map = NULL;
 	uint32_t v = 0;
 	int64_t u, most = 0, least_after = INT64_MAX;
-	uint64_t items, bytes;
+	uint64_t items, bytes, sum = 0;
+	struct store_stats st0, st;
 	char crash[128];
 
 	env_init(&env, T0);
@@ -1113,13 +1114,18 @@ static void test_journal(void)
 	/* 20,000 records in commits of 100: cycles start at 16,384 pending records, so the
 	 * journal never holds much more than two cycles' worth; segments appear, and what is
 	 * read is right at every point. */
+	store_stats(s, &st0);
+	CHECK(st0.commits == 3 && st0.turns == st0.commits && st0.records == 5);
+	CHECK(st0.inline_commits == 0 && st0.pending == st0.records && st0.fold_records == 0);
 	big = small(&env, "big", 0);
 	for (int t = 0; big && t < 200; t++) {
 		for (int i = 0; i < 100; i++)
 			CHECK(add1(big, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, "x"));
 		if (t % 7 == 0)
 			set_metadata(big, &env, (size_t)t, NULL, "{\"again\":true}");
-		CHECK(save(s, big) == (t % 7 == 0 && t > 0 ? 101 : 100));
+		long n_saved = save(s, big);
+		CHECK(n_saved == (t % 7 == 0 && t > 0 ? 101 : 100));
+		sum += n_saved > 0 ? (uint64_t)n_saved : 0;
 		int64_t n = count_rows(dir, "batches");
 		if (n > most)
 			most = n;
@@ -1136,6 +1142,16 @@ static void test_journal(void)
 	       PRId64 " segments\n",
 	       most, least_after, count_rows(dir, "segments"));
 	CHECK(most >= 16384 / 101 && most <= 2 * 16384 / 100 + 3);
+	/* The statistics: one commit per save, its records, a cycle ended, and every record
+	 * either pending or folded (a cycle's records count in both until it ends). */
+	store_stats(s, &st);
+	CHECK(st.commits == st0.commits + 200 && st.turns == st.commits);
+	CHECK(st.records == st0.records + sum && sum == 200 * 100 + 28);
+	CHECK(st.commit_ns > st0.commit_ns && st.commit_max_ns > 0 &&
+	      st.commit_max_ns <= st.commit_ns);
+	CHECK(st.fold_cycles >= 1 && st.fold_segments >= st.fold_cycles);
+	CHECK(st.fold_records >= 16384 && st.fold_records + st.pending >= st.records);
+	CHECK(st.pending < st.records && st.db_bytes > 0 && st.wal_pages > 0);
 	CHECK(least_after < most);
 	CHECK(segments_of(dir, "big") >= 1);
 	sort_key_of(big->log[7], sk); /* changed after it was folded: the newest wins */
