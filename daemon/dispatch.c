@@ -10,6 +10,7 @@
 #include "ddbitem.h"
 #include "jscan.h"
 #include "log.h"
+#include "monoclock.h"
 #include "ops.h"
 
 #define DISPATCH_PURGE_FIRST_MS 60000   /* the first retention purge after the start */
@@ -1723,13 +1724,6 @@ fail:
 	answer_error(d, out, id, op, &err);
 	json_decref(req);
 	return DISPATCH_DONE;
-}
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,

@@ -22,6 +22,7 @@
 #include "buf.h"
 #include "ddbitem.h"
 #include "log.h"
+#include "monoclock.h"
 #include "msgrec.h"
 #include "siphash.h"
 
@@ -336,13 +337,6 @@ int store_durability_parse(const char *s, enum durability *out)
 const char *store_durability_str(enum durability d)
 {
 	return d <= DURABILITY_MACHINE ? durability_names[d] : "unknown";
-}
-
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 static void count_add(_Atomic uint64_t *c, uint64_t v)
@@ -1492,7 +1486,7 @@ static void job_free(struct job *j)
 static int write_jobs(struct store *s, struct job *jobs)
 {
 	size_t recs = 0, nbatches = 0, njobs = 0;
-	uint64_t t0 = mono_ns(), max;
+	uint64_t t0 = mono_ns();
 	int rc = tx_begin(s);
 
 	for (struct job *j = jobs; j && !rc; j = j->next) {
@@ -1545,7 +1539,7 @@ static int write_jobs(struct store *s, struct job *jobs)
 	count_add(&s->n.records, recs);
 	count_add(&s->n.commit_ns, t0);
 	/* Only this thread (or the loop, with the connection held) writes it. */
-	if (t0 > (max = count_get(&s->n.commit_max_ns)))
+	if (t0 > count_get(&s->n.commit_max_ns))
 		count_set(&s->n.commit_max_ns, t0);
 	return 0;
 }
@@ -2340,7 +2334,8 @@ static int record_decode(struct store *s, const char *conv, size_t conv_len,
 	/* store_put_message keys a summary by the last id it summarizes: one without any
 	 * was never written. */
 	message_sort_key(m, key);
-	if ((m->role == ROLE_SUMMARY && !m->nsummary_ids) || strlen(key) != r->sk_len || memcmp(key, r->sk, r->sk_len) != 0) {
+	if ((m->role == ROLE_SUMMARY && !m->nsummary_ids) || strlen(key) != r->sk_len ||
+	    memcmp(key, r->sk, r->sk_len) != 0) {
 		rc = bad_row(s, conv, conv_len, r->sk, r->sk_len,
 		             "sort key does not match the message");
 		goto out;

@@ -131,28 +131,34 @@ def test_close_bookkeeping():
     s = soak.Soak(None, None, None, None, soak.Config(seconds=1, connections=2, seed=1,
                                                        log=lambda *a: None))
     a, b = s.clients
+
+    def close(c, conv):  # -> the request's id
+        s._send(c, {"op": "close", "conversation": conv}, "close", conv, flush=False)
+        return s.next_id
+
+    def read(c, conv):
+        s._send(c, {"op": "describe", "conversation": conv}, "read", conv, flush=False)
+        return s.next_id
+
+    def answer(c, rid):
+        s._answer(c, json.dumps({"id": rid, "ok": True, "result": {}}))
+
     # Unhindered: the close was the last request and nothing was under way.
-    s._send(a, {"op": "close", "conversation": "c1"}, "close", "c1", flush=False)
-    s._answer(a, json.dumps({"id": s.next_id, "ok": True, "result": {"flushed": 0}}))
+    answer(a, close(a, "c1"))
     assert "c1" in s.closed_clean
     # Overtaken: b reads c2 after a's close was sent, before its answer came.
-    s._send(a, {"op": "close", "conversation": "c2"}, "close", "c2", flush=False)
-    close_id = s.next_id
-    s._send(b, {"op": "describe", "conversation": "c2"}, "read", "c2", flush=False)
-    read_id = s.next_id
-    s._answer(b, json.dumps({"id": read_id, "ok": True, "result": {}}))
-    s._answer(a, json.dumps({"id": close_id, "ok": True, "result": {"flushed": 0}}))
+    close_id = close(a, "c2")
+    answer(b, read(b, "c2"))
+    answer(a, close_id)
     assert "c2" not in s.closed_clean
     assert s.stats["close_overtaken"] == 1
     # Sent while a request on it was under way: not counted either.
-    s._send(b, {"op": "describe", "conversation": "c3"}, "read", "c3", flush=False)
-    read_id = s.next_id
-    s._send(a, {"op": "close", "conversation": "c3"}, "close", "c3", flush=False)
-    close_id = s.next_id
-    s._answer(b, json.dumps({"id": read_id, "ok": True, "result": {}}))
-    s._answer(a, json.dumps({"id": close_id, "ok": True, "result": {"flushed": 0}}))
+    read_id = read(b, "c3")
+    close_id = close(a, "c3")
+    answer(b, read_id)
+    answer(a, close_id)
     assert "c3" not in s.closed_clean
     # A later request takes a clean close back out.
-    s._send(b, {"op": "describe", "conversation": "c1"}, "read", "c1", flush=False)
+    read(b, "c1")
     assert "c1" not in s.closed_clean
     assert not s.failures
