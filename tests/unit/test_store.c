@@ -1717,6 +1717,55 @@ static void test_async(void)
 		convo_free(c[i]);
 }
 
+/* A fold cycle's batches are deleted after it ends, a few per commit or idle step of the
+ * writer, oldest first; a crash before they are gone leaves the newest batches, which the
+ * next start folds again, into segments after those that already hold them: the newest
+ * version still wins, and no message is doubled. */
+static void test_dead_batches(void)
+{
+	struct convo_env env;
+	struct store *s;
+	struct convo *c, *l = NULL;
+	struct collect k;
+	char dir[128], old[128], q[384], sk[DDBITEM_SK_MAX + 1];
+	json_t *map = NULL;
+	uint32_t v = 0;
+	int64_t u;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "dead");
+	make_dir(old, sizeof(old), "dead-old");
+	if (!(s = open_store(dir)))
+		return;
+	c = small(&env, "d", 4);
+	CHECK(save(s, c) == 4);
+	set_metadata(c, &env, 0, NULL, "{\"again\":true}"); /* version 2 */
+	CHECK(save(s, c) == 1);
+	CHECK(count_rows(dir, "batches") == 2);
+	/* Both batches, as a crash after their cycle ended would leave them. */
+	CHECK(copy_file(dir, old, "convod.db") == 0);
+	CHECK(copy_file(dir, old, "convod.db-wal") == 0);
+	store_close(s); /* folds both and deletes them */
+	CHECK(count_rows(dir, "batches") == 0 && count_rows(dir, "segments") == 1);
+	snprintf(q, sizeof(q),
+	         "ATTACH '%s/convod.db' AS o; INSERT INTO batches SELECT * FROM o.batches", old);
+	CHECK(sql(dir, q) == SQLITE_OK);
+	CHECK(count_rows(dir, "batches") == 2);
+	if ((s = open_store(dir))) {
+		CHECK(count_rows(dir, "batches") == 0 && count_rows(dir, "segments") == 2);
+		memset(&k, 0, sizeof(k));
+		CHECK(store_load_open(s, collect_cb, &k) == 0 && k.n == 1 && k.messages == 4);
+		CHECK(store_load_conversation(s, "d", 1, &l) == 0 && l);
+		CHECK_SAME(c, l);
+		convo_free(l);
+		sort_key_of(c->log[0], sk);
+		CHECK(store_message_get(s, "d", 1, sk, &map, &v, &u) == 0 && v == 2);
+		CHECK(same_json(map, message_to_map(c->log[0]))); /* frees both */
+		store_close(s);
+	}
+	convo_free(c);
+}
+
 /* The WAL bound: past it the writer checkpoints itself (after the thread's round) and the
  * next commit starts the WAL over, whether the commit that crossed it was the writer's
  * (machine) or the loop's own (process: the loop only flags it, and the writer takes the
@@ -1888,6 +1937,7 @@ int main(void)
 	test_purge();
 	test_transactions();
 	test_journal();
+	test_dead_batches();
 	test_schema3();
 	test_bad_files();
 	test_bad_rows();
