@@ -1633,8 +1633,8 @@ static void wal_bound(struct store *s)
 	checkpoint_after_round(&s->ck, s->db, NULL, &s->dbmu);
 }
 
-/* Is there fold work: a cycle under way, or enough pending to start one (or anything pending
- * at all)? (dbmu held) */
+/* Is there fold work: a cycle under way, enough pending to start one (or anything pending
+ * at all), or folded batches still to delete? (dbmu held) */
 static bool fold_wanted(const struct store *s, bool all)
 {
 	return s->cursor < s->cur.nconvs || s->next.nentries >= s->fold_records ||
