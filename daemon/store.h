@@ -38,7 +38,7 @@ void store_close(struct store *s);
  * current size. 0 or -EIO. */
 int store_set_size_limit(struct store *s, uint64_t max_bytes);
 
-/* For tests: the pending records that start a fold cycle (default 65536; at least 1). */
+/* For tests: the pending records that start a fold cycle (default 32768; at least 1). */
 void store_set_fold_records(struct store *s, size_t n);
 /* For tests: the WAL sizes in pages that start a round of the checkpoint thread (default
  * 16000) and past which the writer waits for it and checkpoints itself (32000; not below
