@@ -654,9 +654,10 @@ static json_t *store_stats_json(struct dispatch *d)
 	if (!d->store)
 		return json_null();
 	store_stats(d->store, &st);
-	fold = json_pack("{s:I, s:I, s:I, s:I}", "cycles", (json_int_t)st.fold_cycles, "segments",
-	                 (json_int_t)st.fold_segments, "records", (json_int_t)st.fold_records, "ns",
-	                 (json_int_t)st.fold_ns);
+	fold =
+	    json_pack("{s:I, s:I, s:I, s:I, s:I}", "cycles", (json_int_t)st.fold_cycles, "segments",
+	              (json_int_t)st.fold_segments, "records", (json_int_t)st.fold_records, "ns",
+	              (json_int_t)st.fold_ns, "dead_batches", (json_int_t)st.dead_batches);
 	if (!fold)
 		return NULL;
 	/* O, not o: whether a failed json_pack frees what o hands it depends on the version. */

@@ -277,7 +277,7 @@ struct pending {
 /* The counters of store_stats: written by whichever thread writes, read by the loop. */
 struct store_counters {
 	_Atomic uint64_t commits, turns, inline_commits, records, commit_ns, commit_max_ns, pending,
-	    fold_cycles, fold_segments, fold_records, fold_ns, wal_pages;
+	    fold_cycles, fold_segments, fold_records, fold_ns, dead_batches, wal_pages;
 };
 
 struct store {
@@ -307,6 +307,7 @@ struct store {
 	bool wal_full;         /* a commit of the loop's took the WAL past its bound */
 	bool idle_wanted;      /* store_idle: fold everything, then give memory back */
 	size_t fold_records;   /* STORE_FOLD_RECORDS, or what a test set */
+	bool no_idle_fold;     /* a test turned the writer's fold between jobs off (qmu) */
 	int checkpoint_pages;  /* STORE_CHECKPOINT_PAGES, or what a test set */
 	int wal_hard_pages;    /* STORE_WAL_HARD_PAGES, or what a test set */
 	enum durability durability;
@@ -323,9 +324,10 @@ struct store {
 	bool txn_fold_started, txn_fold_ended; /* what the transaction's fold step did */
 	size_t txn_segments, txn_folded;       /* and how much it wrote */
 	/* Batches up to dead_seq are folded (their cycle ended); those up to deleted_seq are
-	 * deleted, the rest a few per transaction (delete_dead). At the start of the open
-	 * transaction they were txn_dead and txn_deleted. */
+	 * deleted, the rest a few per transaction (delete_dead): dead_batches rows. At the
+	 * start of the open transaction they were txn_dead, txn_deleted and txn_dead_batches. */
 	uint64_t dead_seq, deleted_seq, txn_dead, txn_deleted;
+	uint64_t dead_batches, txn_dead_batches;
 	bool sink_rows;      /* spool or confirmed rows may exist: loads look them up */
 	uint64_t hash_key[2];
 };
@@ -878,6 +880,7 @@ void store_stats(struct store *s, struct store_stats *o)
 	o->fold_segments = count_get(&s->n.fold_segments);
 	o->fold_records = count_get(&s->n.fold_records);
 	o->fold_ns = count_get(&s->n.fold_ns);
+	o->dead_batches = count_get(&s->n.dead_batches);
 	o->wal_pages = count_get(&s->n.wal_pages);
 	if (s->ck.started) {
 		pthread_mutex_lock(&s->ck.mu);
@@ -1163,6 +1166,7 @@ static int fold_step(struct store *s, size_t want, bool force)
 	if (!rc && s->cursor >= s->cur.nconvs) {
 		if (s->cur.last_seq > s->dead_seq)
 			s->dead_seq = s->cur.last_seq;
+		s->dead_batches += s->cur.nbatches;
 		s->txn_fold_ended = true;
 	}
 	buf_free(&seg);
@@ -1188,8 +1192,11 @@ static int delete_dead(struct store *s, uint64_t max)
 		to = s->deleted_seq + max;
 	if ((rc = sqlite3_bind_int64(st, 1, (sqlite3_int64)to)) != SQLITE_OK)
 		return fail(s, st, rc);
-	if ((rc = run(s, st)) == 0)
+	if ((rc = run(s, st)) == 0) {
+		uint64_t gone = (uint64_t)sqlite3_changes64(s->db);
 		s->deleted_seq = to;
+		s->dead_batches -= gone < s->dead_batches ? gone : s->dead_batches;
+	}
 	return rc;
 }
 
@@ -1205,6 +1212,7 @@ static int tx_begin(struct store *s)
 	s->txn_cursor = s->cursor;
 	s->txn_dead = s->dead_seq;
 	s->txn_deleted = s->deleted_seq;
+	s->txn_dead_batches = s->dead_batches;
 	s->txn_fold_started = s->txn_fold_ended = false;
 	s->txn_segments = s->txn_folded = 0;
 	return 0;
@@ -1219,6 +1227,7 @@ static void tx_rollback(struct store *s)
 	s->cursor = s->txn_cursor;
 	s->dead_seq = s->txn_dead;
 	s->deleted_seq = s->txn_deleted;
+	s->dead_batches = s->txn_dead_batches;
 	if (s->txn_fold_started) {
 		struct pending spare = s->next;
 		s->next = s->cur;
@@ -1244,6 +1253,7 @@ static int tx_commit(struct store *s)
 	count_add(&s->n.fold_segments, s->txn_segments);
 	count_add(&s->n.fold_records, s->txn_folded);
 	count_set(&s->n.pending, s->cur.nentries + s->next.nentries);
+	count_set(&s->n.dead_batches, s->dead_batches);
 	s->txn_fold_started = s->txn_fold_ended = false;
 	s->txn_segments = s->txn_folded = 0;
 	return 0;
@@ -1707,7 +1717,8 @@ static void *writer_main(void *arg)
 		/* Between jobs, in steps short enough for a job not to wait long: the checkpoint
 		 * that bounds the WAL, the fold, and for an idle daemon the rest of the fold and
 		 * giving memory back. */
-		while ((s->wal_full || fold || s->idle_wanted) && !s->queue && !s->stop) {
+		while ((s->wal_full || (fold && !s->no_idle_fold) || s->idle_wanted) && !s->queue &&
+		       !s->stop) {
 			bool full = s->wal_full, idle = s->idle_wanted;
 			s->wal_full = false;
 			pthread_mutex_unlock(&s->qmu);
@@ -2054,6 +2065,13 @@ void store_set_fold_records(struct store *s, size_t n)
 	pthread_mutex_lock(&s->dbmu);
 	s->fold_records = n ? n : 1;
 	pthread_mutex_unlock(&s->dbmu);
+}
+
+void store_set_idle_fold(struct store *s, bool on)
+{
+	pthread_mutex_lock(&s->qmu);
+	s->no_idle_fold = !on;
+	pthread_mutex_unlock(&s->qmu);
 }
 
 void store_set_wal_pages(struct store *s, int checkpoint, int hard)

@@ -40,6 +40,10 @@ int store_set_size_limit(struct store *s, uint64_t max_bytes);
 
 /* For tests: the pending records that start a fold cycle (default 32768; at least 1). */
 void store_set_fold_records(struct store *s, size_t n);
+/* For tests: whether the writer folds while it has no job (default on). Off, the fold runs
+ * only in commits once four cycles' worth of records is pending, and at store_idle and
+ * close. */
+void store_set_idle_fold(struct store *s, bool on);
 /* For tests: the WAL sizes in pages that start a round of the checkpoint thread (default
  * 16000) and past which the writer waits for it and checkpoints itself (32000; not below
  * the first: equal, the thread is never asked). */
@@ -95,6 +99,7 @@ struct store_stats {
 	uint64_t fold_records;   /* records in them */
 	uint64_t fold_ns;        /* time in fold steps of their own (steps inside a commit
 	                          * count in commit_ns) */
+	uint64_t dead_batches;   /* journal rows whose records are all folded, not deleted yet */
 	uint64_t checkpoints;    /* as store_checkpoints */
 	uint64_t checkpoint_ns;  /* time in them */
 	uint64_t wal_pages;      /* pages in the WAL after the last commit */

@@ -790,8 +790,9 @@ def test_stats_time_by_op_counts_daemon_time(daemon):
 def test_stats_store(daemon_factory):
     """stats.store counts the local store's work: group commits and the turns and message
     versions they held, their time, the fold that later takes every version into its
-    conversation's segment when the daemon is quiet, and the files' sizes; null without a
-    store, and counters or gauges in the Prometheus text."""
+    conversation's segment when the daemon is quiet (deleting the journal rows it folded),
+    and the files' sizes; null without a store, and counters or gauges in the Prometheus
+    text."""
     scale = float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))
     d = daemon_factory(["--flush-interval", "100"])
     c = d.connect()
@@ -820,7 +821,8 @@ def test_stats_store(daemon_factory):
     deadline = time.monotonic() + 20 * scale
     while True:
         s2 = stats(c)["store"]
-        if s2["pending_records"] == 0 and s2["fold"]["records"] >= 121:
+        if (s2["pending_records"] == 0 and s2["fold"]["records"] >= 121
+                and s2["fold"]["dead_batches"] == 0):
             break
         assert time.monotonic() < deadline, s2
         time.sleep(0.05)
@@ -829,6 +831,8 @@ def test_stats_store(daemon_factory):
     assert "# TYPE convod_store_commits counter" in text
     assert "# TYPE convod_store_pending_records gauge" in text
     assert re.search(r"^convod_store_fold_records [1-9][0-9]*$", text, re.M)
+    assert "# TYPE convod_store_fold_dead_batches gauge" in text
+    assert re.search(r"^convod_store_fold_dead_batches 0$", text, re.M)
     assert "durability" not in text  # strings are left out
     # machine: every commit goes through the writer thread, which syncs it.
     m = daemon_factory(["--durability", "machine"]).connect()

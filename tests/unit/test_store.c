@@ -1766,6 +1766,65 @@ static void test_dead_batches(void)
 	convo_free(c);
 }
 
+/* store_stats' dead_batches: the journal rows of ended fold cycles not deleted yet. With the
+ * writer's fold between jobs off, cycles start and end inside commits (once 4 cycles' worth
+ * is pending), and each commit first deletes 3 of those rows (STORE_DEAD_PER_JOB): the
+ * journal table shrinks exactly as the count said, the count grows by a cycle's batches
+ * when one ends, and an idle store deletes them all. */
+static void test_dead_count(void)
+{
+	struct convo_env env;
+	struct store *s;
+	struct convo *c;
+	struct store_stats st;
+	char dir[128];
+	uint64_t dead = 0, most = 0, cycles = 0, ended = 0;
+	int64_t rows = 0;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "dead-count");
+	if (!(s = open_store(dir)))
+		return;
+	store_set_idle_fold(s, false);
+	store_set_fold_records(s, 40);
+	c = small(&env, "dc", 0);
+	for (int t = 0; c && t < 120; t++) {
+		uint64_t gone = dead < 3 ? dead : 3;
+		for (int i = 0; i < 10; i++)
+			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, "x"));
+		CHECK(save(s, c) == 10);
+		int64_t n = count_rows(dir, "batches");
+		store_stats(s, &st);
+		CHECK(n == rows + 1 - (int64_t)gone); /* one batch written, gone deleted */
+		if (st.fold_cycles == cycles) {
+			CHECK(st.dead_batches == dead - gone);
+		} else {
+			CHECK(st.fold_cycles == cycles + 1 && st.dead_batches > dead - gone);
+			ended++;
+		}
+		CHECK(st.dead_batches <= (uint64_t)n);
+		dead = st.dead_batches;
+		cycles = st.fold_cycles;
+		rows = n;
+		most = dead > most ? dead : most;
+	}
+	printf("dead batches: at most %" PRIu64 " after %" PRIu64 " cycles, %" PRId64
+	       " journal rows at the end\n",
+	       most, ended, rows);
+	CHECK(ended >= 5 && most >= 4);
+	/* Idle: everything is folded and every folded row deleted. */
+	CHECK(store_idle(s) == 0);
+	for (int t = 0; t < 500; t++) {
+		store_stats(s, &st);
+		if (st.dead_batches == 0 && st.pending == 0 && count_rows(dir, "batches") == 0)
+			break;
+		usleep(10000);
+	}
+	CHECK(st.dead_batches == 0 && st.pending == 0 && count_rows(dir, "batches") == 0);
+	store_close(s);
+	convo_free(c);
+}
+
 /* The WAL bound: past it the writer checkpoints itself (after the thread's round) and the
  * next commit starts the WAL over, whether the commit that crossed it was the writer's
  * (machine) or the loop's own (process: the loop only flags it, and the writer takes the
@@ -1938,6 +1997,7 @@ int main(void)
 	test_transactions();
 	test_journal();
 	test_dead_batches();
+	test_dead_count();
 	test_schema3();
 	test_bad_files();
 	test_bad_rows();
