@@ -16,7 +16,12 @@
 #       appendfsync everysec; convod --durability machine vs appendfsync always; target
 #       >= 1.0 for both.
 # Every server is fresh (new process, new state or AOF directory under TMPDIR, whose file
-# system decides what an fsync costs) and each pair runs back to back. convod-bench measures
+# system decides what an fsync costs) and each pair runs back to back. The whole sequence
+# runs ROUNDS times: a pair's ratio is the median of its rounds' ratios (each round's two
+# runs a few seconds apart), its req/s the medians of each side, and the p99 target the
+# median of the rounds' p99s, so that one run disturbed by the machine (a shared 2-core VM
+# moves 20-30% from minute to minute) does not decide a verdict alone. Every round's
+# figures are printed too. convod-bench measures
 # DURATION seconds after WARMUP seconds of unmeasured load; redis-benchmark has no duration,
 # so each Redis run is first calibrated (-n grown x8 until a run lasts >= 0.3 s, which also
 # warms the server up) and then measured with -n = calibrated req/s x DURATION. Redis'
@@ -24,12 +29,14 @@
 #
 # usage: tests/bench/run-redis.sh [options] [BUILD]     (BUILD defaults to "build")
 #   --duration SEC     measured seconds per run (DURATION, 5)
-#   --quick            a smoke run: 0.3 s per run, 0.1 s warmup, 0.1 s Redis calibration
+#   --rounds N         how many times the whole sequence runs (ROUNDS, 3)
+#   --quick            a smoke run: 0.3 s per run, 0.1 s warmup, 0.1 s Redis calibration,
+#                      one round
 #   --require-redis    fail (exit 2) when redis-server or redis-benchmark is missing;
 #                      without it the Redis pairs are skipped with a note and the rest runs
 #   --no-redis         skip the Redis pairs even when Redis is installed
 #   --strict           exit 1 when a target is missed (default: only errors fail the run)
-# environment (defaults): DURATION=5 WARMUP=1 CONNECTIONS=50 CONVERSATIONS=1000 PIPELINE=16
+# environment (defaults): DURATION=5 ROUNDS=3 WARMUP=1 CONNECTIONS=50 CONVERSATIONS=1000 PIPELINE=16
 #   MESSAGE_BYTES=40 BENCH_ARGS="" (extra convod-bench options) CONVOD_ARGS="" (extra convod
 #   options) TMPDIR (/tmp)
 # exit: 0 done (targets missed are reported, not fatal unless --strict), 1 a run failed, had
@@ -52,6 +59,15 @@ while [ $# -gt 0 ]; do
 		;;
 	--duration=*)
 		DURATION=${1#--duration=}
+		shift
+		;;
+	--rounds)
+		[ $# -ge 2 ] || { echo "run-redis: --rounds needs a value" >&2; exit 2; }
+		ROUNDS=$2
+		shift 2
+		;;
+	--rounds=*)
+		ROUNDS=${1#--rounds=}
 		shift
 		;;
 	--quick)
@@ -95,8 +111,10 @@ if [ $quick = 1 ]; then
 	DURATION=${DURATION:-0.3}
 	WARMUP=${WARMUP:-0.1}
 	CAL_SECS=0.1
+	ROUNDS=${ROUNDS:-1}
 fi
 DURATION=${DURATION:-5}
+ROUNDS=${ROUNDS:-3}
 WARMUP=${WARMUP:-1}
 CONNECTIONS=${CONNECTIONS:-50}
 CONVERSATIONS=${CONVERSATIONS:-1000}
@@ -107,6 +125,12 @@ CONVOD_ARGS=${CONVOD_ARGS:-}
 case $DURATION in
 '' | *[!0-9.]* | *.*.* | .)
 	echo "run-redis: bad duration '$DURATION'" >&2
+	exit 2
+	;;
+esac
+case $ROUNDS in
+'' | *[!0-9]* | 0)
+	echo "run-redis: bad number of rounds '$ROUNDS'" >&2
 	exit 2
 	;;
 esac
@@ -222,52 +246,57 @@ redis_run() {
 : >"$dir/results"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 
-# (a) 50 connections, no pipelining
-start_convod a-process --durability process
-bench_run a.convod 1
-stop_server
-start_convod a-memory --memory-only
-bench_run a.convod_memory 1
-stop_server
-if [ $use_redis = 1 ]; then
-	start_redis a --appendonly no
-	redis_run a.redis 1
+round=0
+while [ $round -lt "$ROUNDS" ]; do
+	round=$((round + 1))
+	[ "$ROUNDS" -eq 1 ] || echo "run-redis: round $round of $ROUNDS" >&2
+	# (a) 50 connections, no pipelining
+	start_convod a-process --durability process
+	bench_run a.convod#$round 1
 	stop_server
-fi
+	start_convod a-memory --memory-only
+	bench_run a.convod_memory#$round 1
+	stop_server
+	if [ $use_redis = 1 ]; then
+		start_redis a --appendonly no
+		redis_run a.redis#$round 1
+		stop_server
+	fi
 
-# (b) pipeline
-start_convod b-process --durability process
-bench_run b.convod "$PIPELINE"
-stop_server
-start_convod b-memory --memory-only
-bench_run b.convod_memory "$PIPELINE"
-stop_server
-start_baseline
-bench_run b.baseline "$PIPELINE"
-stop_server
-if [ $use_redis = 1 ]; then
-	start_redis b --appendonly no
-	redis_run b.redis "$PIPELINE"
+	# (b) pipeline
+	start_convod b-process --durability process
+	bench_run b.convod#$round "$PIPELINE"
 	stop_server
-fi
+	start_convod b-memory --memory-only
+	bench_run b.convod_memory#$round "$PIPELINE"
+	stop_server
+	start_baseline
+	bench_run b.baseline#$round "$PIPELINE"
+	stop_server
+	if [ $use_redis = 1 ]; then
+		start_redis b --appendonly no
+		redis_run b.redis#$round "$PIPELINE"
+		stop_server
+	fi
 
-# (c) durable, no pipelining
-start_convod c-process --durability process
-bench_run c.convod_process 1
-stop_server
-if [ $use_redis = 1 ]; then
-	start_redis c-everysec --appendonly yes --appendfsync everysec
-	redis_run c.redis_everysec 1
+	# (c) durable, no pipelining
+	start_convod c-process --durability process
+	bench_run c.convod_process#$round 1
 	stop_server
-fi
-start_convod c-machine --durability machine
-bench_run c.convod_machine 1
-stop_server
-if [ $use_redis = 1 ]; then
-	start_redis c-always --appendonly yes --appendfsync always
-	redis_run c.redis_always 1
+	if [ $use_redis = 1 ]; then
+		start_redis c-everysec --appendonly yes --appendfsync everysec
+		redis_run c.redis_everysec#$round 1
+		stop_server
+	fi
+	start_convod c-machine --durability machine
+	bench_run c.convod_machine#$round 1
 	stop_server
-fi
+	if [ $use_redis = 1 ]; then
+		start_redis c-always --appendonly yes --appendfsync always
+		redis_run c.redis_always#$round 1
+		stop_server
+	fi
+done
 
 fs=$(findmnt -n -o FSTYPE -T "$dir" 2>/dev/null || stat -f -c %T "$dir" 2>/dev/null || echo "?")
 redis_version=
@@ -278,12 +307,13 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 verdict=0
 python3 - "$dir/results" "$DURATION" "$WARMUP" "$CONNECTIONS" "$PIPELINE" "$MESSAGE_BYTES" \
 	"$fs" "${TMPDIR:-/tmp}" "$redis_version" "$redis_note" "$load_before" "$load_after" \
-	<<'EOF' || verdict=$?
+	"$ROUNDS" <<'EOF' || verdict=$?
 import json, sys
 
 (path, duration, warmup, conns, pipeline, msg_bytes, fs, tmpdir, redis_version, redis_note,
- load_before, load_after) = sys.argv[1:13]
-runs = {}
+ load_before, load_after, nrounds) = sys.argv[1:14]
+nrounds = int(nrounds)
+runs = {}  # "a.convod#2" -> the run's figures (dict) or why it has none (str)
 order = []
 for raw in open(path):
     key, kind, payload = raw.rstrip("\n").split("\t", 2)
@@ -306,10 +336,16 @@ for raw in open(path):
     else:
         runs[key] = "FAILED: " + payload
 
-def rps(key):
-    r = runs.get(key)
+def rps(key, rnd):
+    r = runs.get("%s#%d" % (key, rnd))
     return r["throughput_rps"] if isinstance(r, dict) else None
 
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2.0
+
+rounds = range(1, nrounds + 1)
 missed = skipped = 0
 # (label, convod key, other key, target ratio or None for information)
 pairs = [
@@ -324,51 +360,64 @@ pairs = [
     ("(c) p1  process / LPUSH everysec", "c.convod_process", "c.redis_everysec", 1.0),
     ("(c) p1  machine / LPUSH always", "c.convod_machine", "c.redis_always", 1.0),
 ]
-head = "%-44s %12s %12s %8s %7s  %s" % ("pair", "convod req/s", "other req/s", "ratio",
-                                        "target", "result")
+fmt = "%-41s %12s %12s %6s %7s  %-6s %s"
+head = fmt % ("pair", "convod req/s", "other req/s", "ratio", "target", "result",
+              "ratio by round" if nrounds > 1 else "")
 print("convod vs %s and json-baseline: %s connections, %s-byte messages, %s s measured per run"
       % ("Redis " + redis_version if redis_version else "Redis", conns, msg_bytes, duration))
 print("(convod-bench after %s s warmup; redis-benchmark -n from a calibration), state and AOF"
       " on %s (%s)" % (warmup, fs, tmpdir))
+if nrounds > 1:
+    print("%d rounds of every run: ratio = the median of the rounds' ratios, req/s and p99 ="
+          " the medians of the rounds" % nrounds)
 print("load average before %s, after %s (2-core machine: anything above ~0.5 before means"
       " noise)" % (load_before, load_after))
 if redis_note:
     print("Redis pairs: " + redis_note)
 print()
-print(head)
+print(head.rstrip())
 print("-" * len(head))
 for label, ck, ok_, target in pairs:
-    c, o = rps(ck), rps(ok_)
     tgt = ">= %.1f" % target if target is not None else "info"
-    if ok_ not in runs and ".redis" in ok_:
-        print("%-44s %12s %12s %8s %7s  %s" % (label, "%.0f" % c if c else "-", "-", "-", tgt,
-                                               "SKIP" if target is not None else ""))
+    cs = [rps(ck, k) for k in rounds]
+    os_ = [rps(ok_, k) for k in rounds]
+    if ".redis" in ok_ and not any("%s#%d" % (ok_, k) in runs for k in rounds):
+        c = [x for x in cs if x]
+        print((fmt % (label, "%.0f" % median(c) if c else "-", "-", "-", tgt,
+                      "SKIP" if target is not None else "", "")).rstrip())
         skipped += target is not None
         continue
-    if c is None or o is None or o <= 0:
-        print("%-44s %12s %12s %8s %7s  %s" % (label, "%.0f" % c if c else "FAILED",
-                                               "%.0f" % o if o else "FAILED", "-", tgt,
-                                               "FAIL" if target is not None else ""))
+    if any(x is None for x in cs + os_) or any(o <= 0 for o in os_):
+        c = [x for x in cs if x]
+        o = [x for x in os_ if x]
+        print((fmt % (label, "%.0f" % median(c) if c else "FAILED",
+                      "%.0f" % median(o) if o else "FAILED", "-", tgt,
+                      "FAIL" if target is not None else "", "a run failed")).rstrip())
         if target is not None:
             missed += 1
         continue
-    ratio = c / o
+    ratios = [c / o for c, o in zip(cs, os_)]
+    ratio = median(ratios)
     result = ""
     if target is not None:
         result = "PASS" if ratio >= target else "FAIL"
         missed += result == "FAIL"
-    print("%-44s %12.0f %12.0f %8.2f %7s  %s" % (label, c, o, ratio, tgt, result))
-r = runs.get("a.convod")
-if isinstance(r, dict):
-    p99 = r["latency_us"]["p99"]
+    by_round = " ".join("%.2f" % x for x in ratios) if nrounds > 1 else ""
+    print((fmt % (label, "%.0f" % median(cs), "%.0f" % median(os_), "%.2f" % ratio, tgt, result,
+                  by_round)).rstrip())
+p99s = [runs["a.convod#%d" % k]["latency_us"]["p99"] for k in rounds
+        if isinstance(runs.get("a.convod#%d" % k), dict)]
+label = "(a) p1  adds, process: p99 latency"
+if len(p99s) == nrounds:
+    p99 = median(p99s)
     ok = p99 < 1000.0
     missed += not ok
-    print("%-44s %12s %12s %8s %7s  %s" % ("(a) p1  adds, process: p99 latency", "%.0f us" % p99,
-                                           "", "", "< 1 ms", "PASS" if ok else "FAIL"))
+    by_round = " ".join("%.0f" % x for x in p99s) if nrounds > 1 else ""
+    print((fmt % (label, "%.0f us" % p99, "", "", "< 1 ms", "PASS" if ok else "FAIL",
+                  by_round)).rstrip())
 else:
     missed += 1
-    print("%-44s %12s %12s %8s %7s  %s" % ("(a) p1  adds, process: p99 latency", "FAILED", "", "",
-                                           "< 1 ms", "FAIL"))
+    print((fmt % (label, "FAILED", "", "", "< 1 ms", "FAIL", "")).rstrip())
 
 names = {
     "a.convod": "convod process p1", "a.convod_memory": "convod memory-only p1",
@@ -379,23 +428,26 @@ names = {
     "c.convod_machine": "convod machine p1", "c.redis_always": "redis AOF always p1",
 }
 print()
-head = "%-26s %10s %10s %9s %9s %9s %9s %7s" % ("run", "requests", "req/s", "p50 us", "p99 us",
+head = "%-29s %10s %10s %9s %9s %9s %9s %7s" % ("run", "requests", "req/s", "p50 us", "p99 us",
                                                "p99.9 us", "max us", "errors")
 print(head)
 print("-" * len(head))
 us = lambda x: "%9s" % "-" if x != x else "%9.0f" % x
 for key in order:
     r = runs[key]
-    name = "%s %s" % (key.split(".")[0], names.get(key, key))
+    base, rnd = key.split("#")
+    name = "%s %s" % (base.split(".")[0], names.get(base, base))
+    if nrounds > 1:
+        name = "%s %s" % (rnd, name)
     if isinstance(r, str):
-        print("%-26s %s" % (name, r))
+        print("%-29s %s" % (name, r))
         continue
     lat = r["latency_us"]
-    print("%-26s %10d %10.0f %s %s %s %s %7d" % (name, r["requests"], r["throughput_rps"],
+    print("%-29s %10d %10.0f %s %s %s %s %7d" % (name, r["requests"], r["throughput_rps"],
                                                 us(lat["p50"]), us(lat["p99"]), us(lat["p999"]),
                                                 us(lat["max"]), r["errors"]["total"]))
     for code, n in sorted(r["errors"]["by_code"].items()):
-        print("%-26s   %s: %d" % ("", code, n))
+        print("%-29s   %s: %d" % ("", code, n))
 print()
 print("targets: %s missed" % missed if missed else "targets: all met", end="")
 print(", %d skipped (no Redis run)" % skipped if skipped else "")
