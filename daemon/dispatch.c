@@ -1277,11 +1277,12 @@ static void env_of(struct dispatch *d, struct convo_env *env)
 }
 
 /* The fast path: add_user, add_assistant and add_message without metadata, the bulk of the
- * traffic, read with jscan instead of jansson (no tree, no allocation) and answered
- * without a result tree. It handles only requests that will succeed as far as can be told
- * before running them: anything else, and any error while running, returns false before
- * anything is answered, and dispatch_one reads the line again and gives the same answer it
- * always gave (the op had changed nothing). */
+ * traffic, and the reads a voice front-end makes every turn (get_messages,
+ * to_messages_map), read with jscan instead of jansson (no tree, no allocation) and
+ * answered without a result tree. It handles only requests that will succeed as far as
+ * can be told before running them: anything else, and any error while running, returns
+ * false before anything is answered, and dispatch_one reads the line again and gives the
+ * same answer it always gave (the op had changed nothing). */
 #define FAST_MEMBERS 12
 #define FAST_TEXTS 16
 
@@ -1291,72 +1292,120 @@ static bool fast_plain(const struct jscan_member *m, const char *s, size_t n)
 	       memcmp(m->value.p, s, n) == 0;
 }
 
-static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, struct buf *out,
-                          void *waiter, enum dispatch_remote remote, enum op *opp,
-                          enum dispatch_result *res)
+/* What the fast path read of every request: the op, its conversation and its id. */
+struct fast_req {
+	const struct jscan_member *mem;
+	size_t n;
+	enum op op;
+	const char *conv;
+	size_t conv_len;
+	const char *raw_id; /* the id's JSON text, echoed as written; NULL: none */
+	size_t raw_id_len;
+	bool dup; /* a member the path looked up appears twice */
+};
+
+/* The conversation found or made for a fast request, registered when new; false when the
+ * slow path must answer (or *res says to wait). */
+static bool fast_convo(struct dispatch *d, const struct fast_req *f, void *waiter,
+                       enum dispatch_remote remote, enum dispatch_result *res, struct convo **c,
+                       bool *created)
 {
-	struct jscan_member mem[FAST_MEMBERS];
-	const struct jscan_member *mop, *mconv, *mid, *mcontents, *mrole;
+	struct error err;
+
+	switch (find_convo(d, f->op, f->conv, f->conv_len, waiter, remote, c, created, &err)) {
+	case FIND_OK:
+		break;
+	case FIND_WAIT:
+		*res = DISPATCH_WAIT;
+		*c = NULL;
+		return true;
+	case FIND_FAIL:
+		return false;
+	}
+	/* The slow path refuses a change while the spool is full. */
+	if ((ops_mutates(f->op) && d->sink && sink_full(d->sink)) ||
+	    (*created && registry_put(&d->reg, *c) < 0)) {
+		if (*created)
+			convo_free(*c);
+		return false;
+	}
+	return true;
+}
+
+/* get_messages (format given plainly) and to_messages_map (booleans). */
+static bool fast_read(struct dispatch *d, const struct fast_req *f, struct buf *out, void *waiter,
+                      enum dispatch_remote remote, enum dispatch_result *res)
+{
+	struct ops_read_args args = {RENDER_META, true, true};
+	struct convo *c = NULL;
+	struct error err;
+	bool created = false, dup = f->dup;
+
+	if (f->op == OP_GET_MESSAGES) {
+		const struct jscan_member *m = jscan_find(f->mem, f->n, "format", 6, &dup);
+		if (m) {
+			int fmt;
+			char name[16];
+			if (m->value.type != JSCAN_STRING || m->value.escaped ||
+			    m->value.len >= sizeof(name))
+				return false;
+			memcpy(name, m->value.p, m->value.len);
+			name[m->value.len] = '\0';
+			if ((fmt = convo_render_format(name)) < 0)
+				return false;
+			args.format = (enum render_format)fmt;
+		}
+	} else {
+		const struct jscan_member *inc = jscan_find(f->mem, f->n, "incremental", 11, &dup);
+		const struct jscan_member *ex = jscan_find(f->mem, f->n, "exclude_last", 12, &dup);
+		if ((inc && inc->value.type != JSCAN_TRUE && inc->value.type != JSCAN_FALSE) ||
+		    (ex && ex->value.type != JSCAN_TRUE && ex->value.type != JSCAN_FALSE))
+			return false;
+		args.incremental = !inc || inc->value.type == JSCAN_TRUE;
+		args.exclude_last = !ex || ex->value.type == JSCAN_TRUE;
+	}
+	if (dup || !fast_convo(d, f, waiter, remote, res, &c, &created))
+		return false;
+	if (!c)
+		return true; /* waiting */
+	{
+		struct emit_ctx ec = {d, out, NULL, f->op, out->len, f->raw_id, f->raw_id_len};
+		if (ops_read_direct(f->op, c, &args, emit_answer, &ec, &err) != ERR_OK) {
+			if (created)
+				drop_conversation(d, c);
+			return false;
+		}
+	}
+	*res = DISPATCH_DONE;
+	return true;
+}
+
+/* add_user, add_assistant and add_message without metadata, contents as strings. */
+static bool fast_add(struct dispatch *d, const struct fast_req *f, struct buf *out, void *waiter,
+                     enum dispatch_remote remote, enum dispatch_result *res)
+{
+	const struct jscan_member *mcontents, *mrole;
 	const char *texts[FAST_TEXTS];
-	size_t lens[FAST_TEXTS], offs[FAST_TEXTS], ntexts = 0, n = 0;
+	size_t lens[FAST_TEXTS], offs[FAST_TEXTS], ntexts = 0;
 	struct ops_add_args args;
-	const char *raw_id = NULL;
-	size_t raw_id_len = 0;
-	bool dup = false, created = false, changed = false, any = false;
+	bool dup = f->dup, created = false, changed = false, any = false;
 	struct convo *c = NULL;
 	struct convo_env env;
 	struct error err;
-	enum op op;
 
-	if (jscan_object(line, len, mem, FAST_MEMBERS, &n) < 0 || n > FAST_MEMBERS)
-		return false;
-	mop = jscan_find(mem, n, "op", 2, &dup);
-	if (fast_plain(mop, "add_user", 8))
-		op = OP_ADD_USER;
-	else if (fast_plain(mop, "add_assistant", 13))
-		op = OP_ADD_ASSISTANT;
-	else if (fast_plain(mop, "add_message", 11))
-		op = OP_ADD_MESSAGE;
-	else
-		return false;
-	args.role = op == OP_ADD_ASSISTANT ? ROLE_ASSISTANT : ROLE_USER;
-	if (op == OP_ADD_MESSAGE) {
-		mrole = jscan_find(mem, n, "role", 4, &dup);
+	args.role = f->op == OP_ADD_ASSISTANT ? ROLE_ASSISTANT : ROLE_USER;
+	if (f->op == OP_ADD_MESSAGE) {
+		mrole = jscan_find(f->mem, f->n, "role", 4, &dup);
 		if (fast_plain(mrole, "assistant", 9))
 			args.role = ROLE_ASSISTANT;
 		else if (!fast_plain(mrole, "user", 4))
 			return false;
 	}
-	if (jscan_find(mem, n, "metadata", 8, &dup))
+	if (jscan_find(f->mem, f->n, "metadata", 8, &dup))
 		return false;
-	mconv = jscan_find(mem, n, "conversation", 12, &dup);
-	mcontents = jscan_find(mem, n, "contents", 8, &dup);
-	mid = jscan_find(mem, n, "id", 2, &dup);
-	if (dup || !mconv || mconv->value.type != JSCAN_STRING || mconv->value.escaped ||
-	    mconv->value.len == 0 || mconv->value.len > d->cfg->max_conversation_id_bytes ||
-	    !mcontents)
+	mcontents = jscan_find(f->mem, f->n, "contents", 8, &dup);
+	if (dup || !mcontents)
 		return false;
-	for (size_t i = 0; i < mconv->value.len; i++) {
-		unsigned char ch = (unsigned char)mconv->value.p[i];
-		if (ch < 0x20 || ch == 0x7f ||
-		    (ch == 0xc2 && i + 1 < mconv->value.len &&
-		     (unsigned char)mconv->value.p[i + 1] < 0xa0))
-			return false;
-	}
-	if (mid) {
-		/* Echoed as written where jansson would write it back the same. */
-		const struct jscan_value *v = &mid->value;
-		if (v->type == JSCAN_STRING && !v->escaped) {
-			raw_id = v->p - 1;
-			raw_id_len = v->len + 2;
-		} else if (v->type == JSCAN_NULL || v->type == JSCAN_TRUE || v->type == JSCAN_FALSE ||
-		           (v->type == JSCAN_INTEGER && !(v->len == 2 && v->p[0] == '-'))) {
-			raw_id = v->p;
-			raw_id_len = v->len;
-		} else {
-			return false;
-		}
-	}
 
 	/* The contents, decoded into the scratch buffer when escaped. */
 	d->scratch.len = 0;
@@ -1385,35 +1434,16 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 		texts[i] = d->scratch.data ? d->scratch.data + offs[i] : "";
 		any = any || !ops_text_blank(texts[i], lens[i]);
 	}
-	if (!any)
+	if (!any || !fast_convo(d, f, waiter, remote, res, &c, &created))
 		return false;
-
-	*opp = op;
-	switch (find_convo(d, op, mconv->value.p, mconv->value.len, waiter, remote, &c, &created,
-	                   &err)) {
-	case FIND_OK:
-		break;
-	case FIND_WAIT:
-		*res = DISPATCH_WAIT;
-		return true;
-	case FIND_FAIL:
-		return false;
-	}
-	if (d->sink && sink_full(d->sink)) {
-		if (created)
-			convo_free(c);
-		return false;
-	}
-	if (created && registry_put(&d->reg, c) < 0) {
-		convo_free(c);
-		return false;
-	}
+	if (!c)
+		return true; /* waiting */
 	env_of(d, &env);
 	args.texts = texts;
 	args.lens = lens;
 	args.ntexts = ntexts;
 	{
-		struct emit_ctx ec = {d, out, NULL, op, out->len, raw_id, raw_id_len};
+		struct emit_ctx ec = {d, out, NULL, f->op, out->len, f->raw_id, f->raw_id_len};
 		if (ops_add_direct(c, &env, &args, emit_answer, &ec, &changed, &err) != ERR_OK) {
 			if (created)
 				drop_conversation(d, c);
@@ -1427,6 +1457,64 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 	}
 	*res = DISPATCH_DONE;
 	return true;
+}
+
+static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, struct buf *out,
+                          void *waiter, enum dispatch_remote remote, enum op *opp,
+                          enum dispatch_result *res)
+{
+	struct jscan_member mem[FAST_MEMBERS];
+	const struct jscan_member *mop, *mconv, *mid;
+	struct fast_req f = {mem, 0, OP_UNKNOWN, NULL, 0, NULL, 0, false};
+
+	if (jscan_object(line, len, mem, FAST_MEMBERS, &f.n) < 0 || f.n > FAST_MEMBERS)
+		return false;
+	mop = jscan_find(mem, f.n, "op", 2, &f.dup);
+	if (fast_plain(mop, "add_user", 8))
+		f.op = OP_ADD_USER;
+	else if (fast_plain(mop, "add_assistant", 13))
+		f.op = OP_ADD_ASSISTANT;
+	else if (fast_plain(mop, "add_message", 11))
+		f.op = OP_ADD_MESSAGE;
+	else if (fast_plain(mop, "get_messages", 12))
+		f.op = OP_GET_MESSAGES;
+	else if (fast_plain(mop, "to_messages_map", 15))
+		f.op = OP_TO_MESSAGES_MAP;
+	else
+		return false;
+	mconv = jscan_find(mem, f.n, "conversation", 12, &f.dup);
+	mid = jscan_find(mem, f.n, "id", 2, &f.dup);
+	if (!mconv || mconv->value.type != JSCAN_STRING || mconv->value.escaped ||
+	    mconv->value.len == 0 || mconv->value.len > d->cfg->max_conversation_id_bytes)
+		return false;
+	for (size_t i = 0; i < mconv->value.len; i++) {
+		unsigned char ch = (unsigned char)mconv->value.p[i];
+		if (ch < 0x20 || ch == 0x7f ||
+		    (ch == 0xc2 && i + 1 < mconv->value.len &&
+		     (unsigned char)mconv->value.p[i + 1] < 0xa0))
+			return false;
+	}
+	f.conv = mconv->value.p;
+	f.conv_len = mconv->value.len;
+	if (mid) {
+		/* Echoed as written where jansson would write it back the same. */
+		const struct jscan_value *v = &mid->value;
+		if (v->type == JSCAN_STRING && !v->escaped) {
+			f.raw_id = v->p - 1;
+			f.raw_id_len = v->len + 2;
+		} else if (v->type == JSCAN_NULL || v->type == JSCAN_TRUE ||
+		           v->type == JSCAN_FALSE ||
+		           (v->type == JSCAN_INTEGER && !(v->len == 2 && v->p[0] == '-'))) {
+			f.raw_id = v->p;
+			f.raw_id_len = v->len;
+		} else {
+			return false;
+		}
+	}
+	*opp = f.op;
+	if (f.op == OP_GET_MESSAGES || f.op == OP_TO_MESSAGES_MAP)
+		return fast_read(d, &f, out, waiter, remote, res);
+	return fast_add(d, &f, out, waiter, remote, res);
 }
 
 static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, size_t len,

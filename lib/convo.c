@@ -875,24 +875,29 @@ size_t convo_take(struct convo *c, enum consumer who, bool exclude_last,
 	return n;
 }
 
+/* The messages to_messages_map returns are those of [*from, end) that map_wanted keeps: the
+ * whole log, or those the client has not taken (marked only once the answer is out). */
+static size_t map_range(const struct convo *c, bool incremental, bool exclude_last, size_t *from)
+{
+	*from = incremental ? c->scan_from[CONSUMER_CLIENT] : 0;
+	return incremental ? take_end(c, exclude_last) : c->nlog;
+}
+
+static bool map_wanted(const struct convo *c, bool incremental, size_t i)
+{
+	return !incremental || convo_pending(c->log[i], CONSUMER_CLIENT);
+}
+
 json_t *convo_to_messages_map_build(const struct convo *c, bool incremental, bool exclude_last)
 {
 	json_t *res = json_object(), *arr = json_array();
+	size_t i, end = map_range(c, incremental, exclude_last, &i);
+
 	if (!res || !arr)
 		goto fail;
-	if (!incremental) {
-		for (size_t i = 0; i < c->nlog; i++) {
-			if (append_new(arr, message_to_map(c->log[i])) < 0)
-				goto fail;
-		}
-	} else {
-		/* Two passes, so that nothing is marked taken unless the answer was built. */
-		size_t end = take_end(c, exclude_last);
-		for (size_t i = c->scan_from[CONSUMER_CLIENT]; i < end; i++) {
-			if (convo_pending(c->log[i], CONSUMER_CLIENT) &&
-			    append_new(arr, message_to_map(c->log[i])) < 0)
-				goto fail;
-		}
+	for (; i < end; i++) {
+		if (map_wanted(c, incremental, i) && append_new(arr, message_to_map(c->log[i])) < 0)
+			goto fail;
 	}
 	if (json_object_set_nocheck(res, "messages", arr) < 0)
 		goto fail;
@@ -902,6 +907,27 @@ fail:
 	json_decref(arr);
 	json_decref(res);
 	return NULL;
+}
+
+int convo_write_messages_map(const struct convo *c, bool incremental, bool exclude_last,
+                             struct buf *b)
+{
+	size_t i, end = map_range(c, incremental, exclude_last, &i);
+	bool first = true;
+	int rc;
+
+	if (buf_append(b, "{\"messages\":[", 13) < 0)
+		return -ENOMEM;
+	for (; i < end; i++) {
+		if (!map_wanted(c, incremental, i))
+			continue;
+		if (!first && buf_append(b, ",", 1) < 0)
+			return -ENOMEM;
+		first = false;
+		if ((rc = message_write_map(b, c->log[i])) < 0)
+			return rc;
+	}
+	return buf_append(b, "]}", 2);
 }
 
 void convo_to_messages_map_taken(struct convo *c, bool exclude_last)

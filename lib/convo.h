@@ -129,6 +129,10 @@ struct buf;
 /* The text of convo_get_messages(c, RENDER_META) (the same bytes buf_append_json would
  * write) written straight into b: get_messages' fast path. 0, -ENOMEM or -EINVAL. */
 int convo_write_messages(const struct convo *c, struct buf *b);
+/* The text of convo_to_messages_map_build(c, incremental, exclude_last) written straight
+ * into b; marks nothing (convo_to_messages_map_taken does). 0, -ENOMEM or -EINVAL. */
+int convo_write_messages_map(const struct convo *c, bool incremental, bool exclude_last,
+                             struct buf *b);
 
 /* describe: the seed's dump, one row per message:
  *   "META MESSAGES ('*' -> first message to LLM, '-' -> next message to convert into a Map, '^' -> last summary message):\n"

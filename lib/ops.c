@@ -744,14 +744,80 @@ static int write_view(struct buf *b, const void *ctx)
 	return convo_write_messages(c, b);
 }
 
+struct map_ctx {
+	const struct convo *c;
+	bool incremental, exclude_last;
+};
+
+/* ops_write_fn of to_messages_map: its result's text, the messages not marked yet. */
+static int write_map_result(struct buf *b, const void *ctx)
+{
+	const struct map_ctx *m = ctx;
+
+	return convo_write_messages_map(m->c, m->incremental, m->exclude_last, b);
+}
+
+/* get_messages and to_messages_map once their options are read: written straight into the
+ * answer through emit where a writer exists (no tree of the whole view), else built as a
+ * tree and delivered (or returned in *result, without emit). */
+static enum error_code run_read(enum op op, struct convo *c, const struct ops_read_args *a,
+                                json_t **result, struct error *err, ops_emit_fn emit,
+                                void *emit_arg)
+{
+	struct map_ctx m = {c, a->incremental, a->exclude_last};
+
+	if (op == OP_GET_MESSAGES) {
+		if (emit && a->format == RENDER_META) {
+			if (emit(emit_arg, NULL, write_view, c) < 0)
+				goto oom;
+			return ERR_OK;
+		}
+		*result = convo_get_messages(c, a->format);
+		if (!delivered(*result, emit, emit_arg))
+			goto oom;
+		return ERR_OK;
+	}
+	if (emit) {
+		if (emit(emit_arg, NULL, write_map_result, &m) < 0)
+			goto oom;
+	} else {
+		*result = convo_to_messages_map_build(c, a->incremental, a->exclude_last);
+		if (!delivered(*result, NULL, NULL))
+			goto oom;
+	}
+	/* Taken only once the client has them. */
+	if (a->incremental)
+		convo_to_messages_map_taken(c, a->exclude_last);
+	return ERR_OK;
+oom:
+	json_decref(*result);
+	*result = NULL;
+	return error_set(err, ERR_INTERNAL, "out of memory");
+}
+
+enum error_code ops_read_direct(enum op op, struct convo *c, const struct ops_read_args *a,
+                                ops_emit_fn emit, void *emit_arg, struct error *err)
+{
+	json_t *result = NULL;
+	enum error_code rc;
+
+	if (!c || (op != OP_GET_MESSAGES && op != OP_TO_MESSAGES_MAP) ||
+	    (unsigned)a->format > RENDER_OPENAI)
+		return error_set(err, ERR_INTERNAL, "%s: not a read of a conversation",
+		                 ops_name(op));
+	ops_json_alloc_reset();
+	rc = run_read(op, c, a, &result, err, emit, emit_arg);
+	json_decref(result);
+	return rc;
+}
+
 static enum error_code run(enum op op, struct convo *c, const struct convo_env *env,
                            const json_t *req, json_t **result, bool *changed, struct error *err,
                            ops_emit_fn emit, void *emit_arg)
 {
 	struct summary_format f;
-	enum render_format fmt = RENDER_META;
+	struct ops_read_args ra = {RENDER_META, true, true};
 	enum error_code rc;
-	bool incremental, exclude_last;
 	char *text;
 
 	*result = NULL;
@@ -769,16 +835,9 @@ static enum error_code run(enum op op, struct convo *c, const struct convo_env *
 	case OP_SET_METADATA:
 		return run_set_metadata(c, env, req, result, changed, err, emit, emit_arg);
 	case OP_GET_MESSAGES:
-		if ((rc = render_parse(req, &fmt, err)))
+		if ((rc = render_parse(req, &ra.format, err)))
 			return rc;
-		if (emit && fmt == RENDER_META) {
-			/* Written straight into the answer: no tree of the whole view. */
-			if (emit(emit_arg, NULL, write_view, c) < 0)
-				return error_set(err, ERR_INTERNAL, "out of memory");
-			return ERR_OK;
-		}
-		*result = convo_get_messages(c, fmt);
-		break;
+		return run_read(op, c, &ra, result, err, emit, emit_arg);
 	case OP_GET_SUMMARY_INFO:
 		if ((rc = summary_format_parse(req, &f, err)))
 			return rc;
@@ -788,16 +847,10 @@ static enum error_code run(enum op op, struct convo *c, const struct convo_env *
 		*result = message_result(convo_last_summary(c), NULL);
 		break;
 	case OP_TO_MESSAGES_MAP:
-		if ((rc = bool_parse(req, "incremental", true, &incremental, err)) ||
-		    (rc = bool_parse(req, "exclude_last", true, &exclude_last, err)))
+		if ((rc = bool_parse(req, "incremental", true, &ra.incremental, err)) ||
+		    (rc = bool_parse(req, "exclude_last", true, &ra.exclude_last, err)))
 			return rc;
-		*result = convo_to_messages_map_build(c, incremental, exclude_last);
-		if (!delivered(*result, emit, emit_arg))
-			goto oom;
-		/* Taken only once the client has them. */
-		if (incremental)
-			convo_to_messages_map_taken(c, exclude_last);
-		return ERR_OK;
+		return run_read(op, c, &ra, result, err, emit, emit_arg);
 	case OP_DESCRIBE:
 		text = convo_describe(c);
 		if (text) {
@@ -815,7 +868,6 @@ static enum error_code run(enum op op, struct convo *c, const struct convo_env *
 	}
 	if (delivered(*result, emit, emit_arg))
 		return ERR_OK;
-oom:
 	json_decref(*result);
 	*result = NULL;
 	return error_set(err, ERR_INTERNAL, "out of memory");

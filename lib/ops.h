@@ -101,6 +101,18 @@ enum error_code ops_add_direct(struct convo *c, const struct convo_env *env,
 			       const struct ops_add_args *a, ops_emit_fn emit, void *emit_arg,
 			       bool *changed, struct error *err);
 
+/* get_messages or to_messages_map read without jansson: their options as given. */
+struct ops_read_args {
+	enum render_format format;      /* get_messages */
+	bool incremental, exclude_last; /* to_messages_map */
+};
+
+/* Runs get_messages or to_messages_map as ops_run_emit would run the same request with
+ * jansson, delivering the same result through emit(arg, ...). ERR_OK, or ERR_INTERNAL
+ * (nothing delivered, c unchanged) when it cannot be built or delivered. */
+enum error_code ops_read_direct(enum op op, struct convo *c, const struct ops_read_args *a,
+                                ops_emit_fn emit, void *emit_arg, struct error *err);
+
 /* True if s[0..len) is empty or only Unicode White_Space (such contents are dropped). */
 bool ops_text_blank(const char *s, size_t len);
 

@@ -396,7 +396,8 @@ static void check_result(struct state *st, enum op op, const json_t *req, const 
 	(void)pristine;
 }
 
-/* The direct writers of get_messages write what jansson would for the same trees. */
+/* The direct writers of get_messages and to_messages_map write what jansson would for the
+ * same trees. */
 static void check_writers(const struct convo *c)
 {
 	struct buf direct = {NULL, 0, 0}, tree = {NULL, 0, 0};
@@ -412,6 +413,21 @@ static void check_writers(const struct convo *c)
 	                          memcmp(direct.data, tree.data, tree.len) == 0),
 	             "convo_write_messages wrote %.*s\nthe tree is %.*s", (int)direct.len,
 	             direct.data, (int)tree.len, tree.data);
+	for (int k = 0; k < 4; k++) {
+		bool incremental = k & 1, exclude_last = k & 2;
+		json_t *map = convo_to_messages_map_build(c, incremental, exclude_last);
+		if (!map)
+			continue;
+		direct.len = tree.len = 0;
+		rc1 = convo_write_messages_map(c, incremental, exclude_last, &direct);
+		rc2 = buf_append_json(&tree, map);
+		FUZZ_REQUIRE(
+		    rc1 == rc2 && (rc1 != 0 || (direct.len == tree.len &&
+		                                memcmp(direct.data, tree.data, tree.len) == 0)),
+		    "convo_write_messages_map(%d, %d) wrote %.*s\nthe tree is %.*s", incremental,
+		    exclude_last, (int)direct.len, direct.data, (int)tree.len, tree.data);
+		json_decref(map);
+	}
 	for (size_t i = 0; i < c->nlog; i++) {
 		json_t *m = message_to_map(c->log[i]);
 		direct.len = tree.len = 0;
