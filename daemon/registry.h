@@ -9,8 +9,16 @@
 
 #include "convo.h"
 
+/* A slot keeps its conversation's hash: a probe compares it before touching the
+ * conversation, which is mostly not in the cache (measured: 7.6% of the loop's time went
+ * to lookups in the voice mix, about two cache misses per probe). */
+struct registry_slot {
+	struct convo *c; /* owned; NULL = empty, REGISTRY_TOMBSTONE = deleted */
+	uint64_t hash;
+};
+
 struct registry {
-	struct convo **slots; /* owned conversations; NULL = empty, REGISTRY_TOMBSTONE = deleted */
+	struct registry_slot *slots;
 	size_t cap;           /* power of two */
 	size_t count;         /* live entries */
 	size_t used;          /* live entries + tombstones */
