@@ -374,13 +374,6 @@ static enum error_code item_guard_end(struct convo *c, size_t i, struct message 
 	return rc;
 }
 
-/* Drops the contents of m from index n on (a rolled-back merge). */
-static void truncate_contents(struct message *m, uint32_t n)
-{
-	while (m->ncontents > n)
-		free(m->contents[--m->ncontents]);
-}
-
 static int append_texts(struct message *m, const char *const *texts, const size_t *lens,
                         size_t ntexts)
 {
@@ -398,8 +391,10 @@ static struct message *build_message(const struct convo *c, const struct convo_e
 {
 	char id[ULID_LEN + 1];
 	next_id(c, env, id);
-	struct message *m = message_new(id, role, env->now_ms);
-	if (!m || append_texts(m, texts, lens, ntexts) < 0 ||
+	/* Every message has a first text: it goes in the message's own block. */
+	struct message *m = ntexts ? message_new_text(id, role, env->now_ms, texts[0], lens[0])
+	                           : message_new(id, role, env->now_ms);
+	if (!m || (ntexts && append_texts(m, texts + 1, lens + 1, ntexts - 1) < 0) ||
 	    (patch && message_patch_apply(m, patch) < 0)) {
 		message_free(m);
 		return NULL;
@@ -443,7 +438,7 @@ enum error_code convo_add(struct convo *c, const struct convo_env *env, enum rol
 			return rc;
 		if (append_texts(last, texts, lens, ntexts) < 0 ||
 		    (patch && message_patch_apply(last, patch) < 0)) {
-			truncate_contents(last, old_n);
+			message_truncate_contents(last, old_n);
 			message_free(copy);
 			return error_set(err, ERR_INTERNAL, "out of memory");
 		}

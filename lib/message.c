@@ -46,11 +46,9 @@ int message_timing_key(const char *name)
 	return name ? timing_keyn(name, strlen(name)) : -1;
 }
 
-struct message *message_new(const char *id, enum role role, int64_t creation_ms)
+/* Fills a zeroed message. */
+static void message_init(struct message *m, const char *id, enum role role, int64_t creation_ms)
 {
-	struct message *m = calloc(1, sizeof(*m));
-	if (!m)
-		return NULL;
 	memcpy(m->id, id, ULID_LEN);
 	m->id[ULID_LEN] = '\0';
 	m->role = (uint8_t)role;
@@ -59,16 +57,56 @@ struct message *message_new(const char *id, enum role role, int64_t creation_ms)
 		m->timing[k] = -1;
 	m->timing[TIMING_CREATION] = creation_ms;
 	m->updated_ms = creation_ms;
+}
+
+struct message *message_new(const char *id, enum role role, int64_t creation_ms)
+{
+	struct message *m = calloc(1, sizeof(*m));
+	if (m)
+		message_init(m, id, role, creation_ms);
 	return m;
+}
+
+/* The block of message_new_text: the message, then its contents array of one, then its
+ * first text (each part's size keeps the next aligned). */
+struct message *message_new_text(const char *id, enum role role, int64_t creation_ms, const char *s,
+                                 size_t len)
+{
+	struct message *m;
+	struct text **slot, *t;
+
+	if (len > UINT32_MAX || !(m = calloc(1, sizeof(*m) + sizeof(*slot) + sizeof(*t) + len + 1)))
+		return NULL;
+	message_init(m, id, role, creation_ms);
+	slot = (struct text **)(m + 1);
+	t = (struct text *)(slot + 1);
+	t->len = (uint32_t)len;
+	if (len)
+		memcpy(t->bytes, s, len);
+	slot[0] = t;
+	m->contents = slot;
+	m->ncontents = 1;
+	m->inline_parts = MESSAGE_INLINE_ARRAY | MESSAGE_INLINE_TEXT;
+	return m;
+}
+
+void message_truncate_contents(struct message *m, uint32_t n)
+{
+	while (m->ncontents > n) {
+		if (--m->ncontents == 0 && (m->inline_parts & MESSAGE_INLINE_TEXT))
+			m->inline_parts &= (uint8_t)~MESSAGE_INLINE_TEXT;
+		else
+			free(m->contents[m->ncontents]);
+	}
 }
 
 void message_free(struct message *m)
 {
 	if (!m)
 		return;
-	for (uint32_t i = 0; i < m->ncontents; i++)
-		free(m->contents[i]);
-	free(m->contents);
+	message_truncate_contents(m, 0);
+	if (!(m->inline_parts & MESSAGE_INLINE_ARRAY))
+		free(m->contents);
 	json_decref(m->aux);
 	free(m->summary_ids);
 	free(m);
@@ -88,9 +126,16 @@ int message_append_text(struct message *m, const char *s, size_t len)
 		return -ENOMEM;
 	if (contents_full(m->ncontents)) {
 		size_t cap = m->ncontents ? (size_t)m->ncontents * 2 : 1;
-		struct text **grown = realloc(m->contents, cap * sizeof(*grown));
-		if (!grown)
+		struct text **grown;
+		if (m->inline_parts & MESSAGE_INLINE_ARRAY) {
+			/* The array of one in the block: the grown one is a copy. */
+			if (!(grown = malloc(cap * sizeof(*grown))))
+				return -ENOMEM;
+			memcpy(grown, m->contents, m->ncontents * sizeof(*grown));
+			m->inline_parts &= (uint8_t)~MESSAGE_INLINE_ARRAY;
+		} else if (!(grown = realloc(m->contents, cap * sizeof(*grown)))) {
 			return -ENOMEM;
+		}
 		m->contents = grown;
 	}
 	struct text *t = malloc(sizeof(*t) + len + 1);
@@ -624,7 +669,7 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 	const char *p = data, *end = data + len, *what = "cut short";
 	struct message *m = NULL;
 	unsigned char flags, keys;
-	uint64_t n, v;
+	uint64_t n, v, merges;
 
 	*out = NULL;
 	if (p == end)
@@ -633,14 +678,9 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 	what = "an unknown role or flag";
 	if ((flags & PACK_ROLE) > ROLE_SUMMARY || (flags & ~(PACK_ROLE | PACK_FAKE | PACK_AUX)))
 		goto bad;
-	if (!(m = message_new(id, (enum role)(flags & PACK_ROLE), 0)))
-		goto oom;
-	m->version = version;
-	m->fake = flags & PACK_FAKE;
 	what = "cut short";
-	if (!get_count(&p, end, UINT32_MAX, &v))
+	if (!get_count(&p, end, UINT32_MAX, &merges))
 		goto bad;
-	m->merges = (uint32_t)v;
 	/* Each content takes at least its length byte: a count past that is damage, not an
 	 * allocation to attempt. */
 	if (!get_room(&p, end, 1, &n))
@@ -655,10 +695,17 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 		what = "contents: invalid UTF-8";
 		if (!utf8_valid(p, (size_t)v))
 			goto bad;
-		if (message_append_text(m, p, (size_t)v) < 0)
+		/* The first text goes in the message's own block. */
+		if (i == 0 &&
+		    !(m = message_new_text(id, (enum role)(flags & PACK_ROLE), 0, p, (size_t)v)))
+			goto oom;
+		if (i > 0 && message_append_text(m, p, (size_t)v) < 0)
 			goto oom;
 		p += v;
 	}
+	m->version = version;
+	m->fake = flags & PACK_FAKE;
+	m->merges = (uint32_t)merges;
 	what = "cut short";
 	if (p == end)
 		goto bad;

@@ -42,6 +42,7 @@ struct message {
 	char id[ULID_LEN + 1];
 	uint8_t role;           /* enum role */
 	bool fake;              /* attribute starts with "fake" */
+	uint8_t inline_parts;   /* MESSAGE_INLINE_*: what lives in the message's own block */
 	uint32_t merges;        /* number of "merged" entries in attribute */
 	uint32_t version;       /* 1 at creation, +1 per real change */
 	uint32_t ncontents;
@@ -54,6 +55,11 @@ struct message {
 	uint32_t seen[CONSUMER_COUNT]; /* version each consumer last took; 0 = never */
 };
 
+/* message_new_text puts the contents array (room for one) and the first text in the
+ * message's own allocation; these say which of them still are there. */
+#define MESSAGE_INLINE_ARRAY 1u /* contents is the array in the block */
+#define MESSAGE_INLINE_TEXT 2u  /* contents[0] is the text in the block */
+
 /* Wire names. */
 const char *message_role_str(enum role r);
 const char *message_timing_str(enum timing_key k);
@@ -64,10 +70,17 @@ int message_timing_key(const char *name);
  * message_free. NULL on allocation failure. */
 struct message *message_new(const char *id, enum role role, int64_t creation_ms);
 void message_free(struct message *m); /* accepts NULL */
+/* message_new with s[0..len) as its first content, in one allocation with the message
+ * (one malloc instead of three, and about 50 bytes less for a short text). NULL on
+ * allocation failure or a text over 4 GiB. */
+struct message *message_new_text(const char *id, enum role role, int64_t creation_ms, const char *s,
+                                 size_t len);
 
 /* Appends a copy of s[0..len) to m's contents. 0 or -ENOMEM (m unchanged; also for a
  * string over 4 GiB). Amortised O(1): the array doubles. */
 int message_append_text(struct message *m, const char *s, size_t len);
+/* Drops the contents from index n on (a rolled-back merge); n <= ncontents. */
+void message_truncate_contents(struct message *m, uint32_t n);
 
 /* The sort key of persistence.md: the id; for a summary, the last summarized id, '~' and
  * its own id. */

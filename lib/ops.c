@@ -499,8 +499,7 @@ static void undo_apply(struct undo *u, struct convo *c)
 		message_free(c->log[--c->nlog]);
 	if (u->m) {
 		struct message *m = u->m;
-		while (m->ncontents > u->ncontents)
-			free(m->contents[--m->ncontents]);
+		message_truncate_contents(m, u->ncontents);
 		m->merges = u->merges;
 		m->version = u->version;
 		memcpy(m->timing, u->timing, sizeof(m->timing));

@@ -105,6 +105,63 @@ static void test_storage(void)
 	message_free(NULL);
 }
 
+/* message_new_text: the first text and the array of one in the message's block; appends
+ * move the array out, truncation never frees the block's text, and the same message comes
+ * out as built the usual way (ASan and valgrind see a wrong free or a leak here). */
+static void test_inline_text(void)
+{
+	struct message *m = message_new_text(ID1, ROLE_ASSISTANT, 77, "a\0b", 3);
+	struct message *plain = message_new(ID1, ROLE_ASSISTANT, 77);
+	char buf[16];
+
+	CHECK(m != NULL && plain != NULL);
+	if (!m || !plain) {
+		message_free(m);
+		message_free(plain);
+		return;
+	}
+	CHECK(m->inline_parts == (MESSAGE_INLINE_ARRAY | MESSAGE_INLINE_TEXT));
+	CHECK(plain->inline_parts == 0);
+	CHECK(m->ncontents == 1 && m->contents[0]->len == 3 &&
+	      memcmp(m->contents[0]->bytes, "a\0b", 4) == 0);
+	CHECK(m->role == ROLE_ASSISTANT && m->version == 1 && m->timing[TIMING_CREATION] == 77);
+	CHECK(message_append_text(plain, "a\0b", 3) == 0);
+	for (int i = 1; i < 40; i++) {
+		int n = snprintf(buf, sizeof(buf), "s%d", i);
+		CHECK(message_append_text(m, buf, (size_t)n) == 0);
+		CHECK(message_append_text(plain, buf, (size_t)n) == 0);
+	}
+	CHECK(m->inline_parts == MESSAGE_INLINE_TEXT && m->ncontents == 40);
+	CHECK(message_text_bytes(m) == message_text_bytes(plain));
+	{
+		json_t *a = message_to_map(m), *b = message_to_map(plain);
+		CHECK(a && b && json_equal(a, b));
+		json_decref(a);
+		json_decref(b);
+	}
+	/* A rolled-back merge keeps the first text; down to none, it is only forgotten. */
+	message_truncate_contents(m, 1);
+	CHECK(m->ncontents == 1 && m->inline_parts == MESSAGE_INLINE_TEXT &&
+	      m->contents[0]->len == 3);
+	message_truncate_contents(m, 0);
+	CHECK(m->ncontents == 0 && m->inline_parts == 0);
+	CHECK(message_append_text(m, "again", 5) == 0);
+	CHECK_STR(m->contents[0]->bytes, "again");
+	message_free(m);
+	message_free(plain);
+
+	/* Freed at once, and with its array still in the block after a truncation. */
+	message_free(message_new_text(ID2, ROLE_USER, 1, "", 0));
+	m = message_new_text(ID2, ROLE_USER, 1, "x", 1);
+	CHECK(m != NULL);
+	if (m) {
+		message_truncate_contents(m, 0);
+		CHECK(m->inline_parts == MESSAGE_INLINE_ARRAY);
+		message_free(m);
+	}
+	CHECK(message_new_text(ID3, ROLE_USER, 1, "x", (size_t)UINT32_MAX + 1) == NULL);
+}
+
 static void test_map(void)
 {
 	struct message *m = message_new(ID1, ROLE_USER, 1744815823057);
@@ -561,6 +618,7 @@ int main(void)
 {
 	test_names();
 	test_storage();
+	test_inline_text();
 	test_map();
 	test_patch_parse();
 	test_patch_apply();
