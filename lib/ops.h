@@ -72,9 +72,10 @@ typedef int (*ops_write_fn)(struct buf *b, const void *ctx);
 /* Delivers a result while the op can still be undone: ops_run_emit calls it once the
  * result is built and before the change (or to_messages_map's marks) becomes final. The
  * result is a jansson value, or (result NULL) write(b, ctx) writes its text straight into
- * the caller's buffer (get_messages, which builds no tree). A negative return means the
- * result could not be delivered (ENOMEM writing the answer): the op is undone and
- * ERR_INTERNAL returned. The callback borrows what it is given. */
+ * the caller's buffer (the adds, get_messages in the meta format and to_messages_map build
+ * no tree). A negative return means the result could not be delivered (ENOMEM writing the
+ * answer): the op is undone and ERR_INTERNAL returned. The callback borrows what it is
+ * given. */
 typedef int (*ops_emit_fn)(void *arg, const json_t *result, ops_write_fn write,
 			   const void *ctx);
 
