@@ -904,17 +904,18 @@ fail:
 	return NULL;
 }
 
-int convo_write_messages_map(const struct convo *c, bool incremental, bool exclude_last,
-                             struct buf *b)
+/* Writes {"messages":[ and the maps of the messages of [from, end) that keep(c, i, arg)
+ * allows, comma-separated, leaving the array open: the start of both direct writers. */
+static int write_map_list(const struct convo *c, struct buf *b, size_t from, size_t end,
+                          bool (*keep)(const struct convo *c, bool arg, size_t i), bool arg)
 {
-	size_t i, end = map_range(c, incremental, exclude_last, &i);
 	bool first = true;
 	int rc;
 
 	if (buf_append(b, "{\"messages\":[", 13) < 0)
 		return -ENOMEM;
-	for (; i < end; i++) {
-		if (!map_wanted(c, incremental, i))
+	for (size_t i = from; i < end; i++) {
+		if (!keep(c, arg, i))
 			continue;
 		if (!first && buf_append(b, ",", 1) < 0)
 			return -ENOMEM;
@@ -922,7 +923,16 @@ int convo_write_messages_map(const struct convo *c, bool incremental, bool exclu
 		if ((rc = message_write_map(b, c->log[i])) < 0)
 			return rc;
 	}
-	return buf_append(b, "]}", 2);
+	return 0;
+}
+
+int convo_write_messages_map(const struct convo *c, bool incremental, bool exclude_last,
+                             struct buf *b)
+{
+	size_t from, end = map_range(c, incremental, exclude_last, &from);
+	int rc = write_map_list(c, b, from, end, map_wanted, incremental);
+
+	return rc < 0 ? rc : buf_append(b, "]}", 2);
 }
 
 void convo_to_messages_map_taken(struct convo *c, bool exclude_last)
@@ -1007,23 +1017,20 @@ fail:
 	return NULL;
 }
 
+/* The LLM view leaves summaries out (the last one's contents follow it). */
+static bool view_wanted(const struct convo *c, bool unused, size_t i)
+{
+	(void)unused;
+	return !is_summary(c, i);
+}
+
 int convo_write_messages(const struct convo *c, struct buf *b)
 {
 	const struct message *s = convo_last_summary(c);
-	bool first = true;
-	int rc;
+	int rc = write_map_list(c, b, c->first_llm, c->nlog, view_wanted, false);
 
-	if (buf_append(b, "{\"messages\":[", 13) < 0)
-		return -ENOMEM;
-	for (size_t i = c->first_llm; i < c->nlog; i++) {
-		if (is_summary(c, i))
-			continue;
-		if (!first && buf_append(b, ",", 1) < 0)
-			return -ENOMEM;
-		first = false;
-		if ((rc = message_write_map(b, c->log[i])) < 0)
-			return rc;
-	}
+	if (rc < 0)
+		return rc;
 	if (buf_append(b, "],\"summary\":", 12) < 0)
 		return -ENOMEM;
 	if (!s)
