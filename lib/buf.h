@@ -45,6 +45,9 @@ int buf_append_jstring(struct buf *b, const char *s, size_t n);
 size_t buf_utf8_len(const char *s, size_t n);
 /* Appends v in decimal. 0 or -ENOMEM. */
 int buf_append_jint(struct buf *b, int64_t v);
+/* Writes v in decimal to out (at most 20 bytes: INT64_MIN is "-9223372036854775808");
+ * returns its length. */
+size_t buf_jint(char out[20], int64_t v);
 /* Appends v as a varint: 7 bits per byte, low bits first, the high bit set on every byte
  * but the last (1 to 10 bytes). 0 or -ENOMEM. */
 int buf_append_varint(struct buf *b, uint64_t v);

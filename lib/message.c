@@ -264,59 +264,102 @@ int message_write_contents(struct buf *b, const struct message *m)
 	return PUT(b, "]");
 }
 
+/* Stores a string literal at o (room reserved) and moves o past it. */
+#define RAW(o, lit) ((o) = (char *)memcpy((o), (lit), sizeof(lit) - 1) + sizeof(lit) - 1)
+
+/* The timing keys of a map, quoted, with their colon: "creation": ... */
+static const struct {
+	const char *s;
+	size_t n;
+} timing_keys[TIMING_COUNT] = {
+#define KEY(name)                                                                                  \
+	{                                                                                          \
+		"\"" name "\":", sizeof(name) + 2                                                  \
+	}
+    KEY("creation"),  KEY("playStart"), KEY("playEnd"), KEY("listenStart"),
+    KEY("listenEnd"), KEY("llmStart"),  KEY("llmEnd"),
+#undef KEY
+};
+
+/* Room a map takes past its contents and aux: what the writer reserves at once. */
+#define MAP_HEAD_MAX                                                                               \
+	(7 + ULID_LEN + 21 + 9 + 13) /* {"id":"…","message":{"role":"…","contents":            \
+	                              */
+#define MAP_TIMING_MAX (1 + 10 + TIMING_COUNT * (1 + 13 + 1 + 20) + 1)
+
 int message_write_map(struct buf *b, const struct message *m)
 {
 	const char *role = message_role_str(m->role);
-	bool first;
+	size_t role_len = m->role == ROLE_USER ? 4 : m->role == ROLE_ASSISTANT ? 9 : strlen(role);
+	size_t tail;
+	bool first = true;
+	char *o;
 	int rc;
 
 	/* Ids are ULIDs and role names plain ASCII: written without escaping. */
-	if (PUT(b, "{\"id\":\"") < 0 || buf_append(b, m->id, ULID_LEN) < 0 ||
-	    PUT(b, "\",\"message\":{\"role\":\"") < 0 || buf_append(b, role, strlen(role)) < 0 ||
-	    PUT(b, "\",\"contents\":") < 0)
+	if (buf_reserve(b, MAP_HEAD_MAX) < 0)
 		return -ENOMEM;
+	o = b->data + b->len;
+	RAW(o, "{\"id\":\"");
+	memcpy(o, m->id, ULID_LEN);
+	o += ULID_LEN;
+	RAW(o, "\",\"message\":{\"role\":\"");
+	memcpy(o, role, role_len);
+	o += role_len;
+	RAW(o, "\",\"contents\":");
+	b->len = (size_t)(o - b->data);
 	if ((rc = message_write_contents(b, m)) < 0)
 		return rc;
-	if (PUT(b, "},\"metadata\":{") < 0)
+	/* },"metadata":{ attribute, summaryIds, timing } (aux and the last }} come after) */
+	tail = 14 + (1 + 13 + 6 + 9 * (size_t)m->merges + 1) +
+	       (1 + 14 + (2 + ULID_LEN + 1) * (size_t)m->nsummary_ids + 1) + MAP_TIMING_MAX;
+	if (buf_reserve(b, tail) < 0)
 		return -ENOMEM;
-	first = true;
+	o = b->data + b->len;
+	RAW(o, "},\"metadata\":{");
 	if (m->fake || m->merges) {
-		if (PUT(b, "\"attribute\":[") < 0)
-			return -ENOMEM;
-		if (m->fake && PUT(b, "\"fake\"") < 0)
-			return -ENOMEM;
-		for (uint32_t i = 0; i < m->merges; i++)
-			if (((m->fake || i) && PUT(b, ",") < 0) || PUT(b, "\"merged\"") < 0)
-				return -ENOMEM;
-		if (PUT(b, "]") < 0)
-			return -ENOMEM;
+		RAW(o, "\"attribute\":[");
+		if (m->fake)
+			RAW(o, "\"fake\"");
+		for (uint32_t i = 0; i < m->merges; i++) {
+			if (m->fake || i)
+				RAW(o, ",");
+			RAW(o, "\"merged\"");
+		}
+		RAW(o, "]");
 		first = false;
 	}
 	if (m->nsummary_ids) {
-		if ((!first && PUT(b, ",") < 0) || PUT(b, "\"summaryIds\":[") < 0)
-			return -ENOMEM;
-		for (uint32_t i = 0; i < m->nsummary_ids; i++)
-			if ((i && PUT(b, ",") < 0) || PUT(b, "\"") < 0 ||
-			    buf_append(b, m->summary_ids[i], ULID_LEN) < 0 || PUT(b, "\"") < 0)
-				return -ENOMEM;
-		if (PUT(b, "]") < 0)
-			return -ENOMEM;
+		if (!first)
+			RAW(o, ",");
+		RAW(o, "\"summaryIds\":[");
+		for (uint32_t i = 0; i < m->nsummary_ids; i++) {
+			if (i)
+				RAW(o, ",");
+			RAW(o, "\"");
+			memcpy(o, m->summary_ids[i], ULID_LEN);
+			o += ULID_LEN;
+			RAW(o, "\"");
+		}
+		RAW(o, "]");
 		first = false;
 	}
-	if ((!first && PUT(b, ",") < 0) || PUT(b, "\"timing\":{") < 0)
-		return -ENOMEM;
+	if (!first)
+		RAW(o, ",");
+	RAW(o, "\"timing\":{");
 	first = true;
 	for (int k = 0; k < TIMING_COUNT; k++) {
 		if (m->timing[k] < 0)
 			continue;
-		if ((!first && PUT(b, ",") < 0) || PUT(b, "\"") < 0 ||
-		    buf_append(b, timing_names[k], strlen(timing_names[k])) < 0 ||
-		    PUT(b, "\":") < 0 || buf_append_jint(b, m->timing[k]) < 0)
-			return -ENOMEM;
+		if (!first)
+			RAW(o, ",");
+		memcpy(o, timing_keys[k].s, timing_keys[k].n);
+		o += timing_keys[k].n;
+		o += buf_jint(o, m->timing[k]);
 		first = false;
 	}
-	if (PUT(b, "}") < 0)
-		return -ENOMEM;
+	RAW(o, "}");
+	b->len = (size_t)(o - b->data);
 	if (m->aux) {
 		if (PUT(b, ",\"aux\":") < 0)
 			return -ENOMEM;

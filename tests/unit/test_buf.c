@@ -2,6 +2,7 @@
  * writes (JSON_COMPACT | JSON_ENCODE_ANY), and refuse what it refuses (invalid UTF-8), for
  * random trees of every type, random byte strings and edge values. Varints round-trip. */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -147,12 +148,55 @@ static void test_varint(void)
 	buf_free(&b);
 }
 
+/* Decimal integers: the same text as printf's, at the edges and at random. */
+static void test_jint(void)
+{
+	const int64_t edges[] = {0,
+	                         1,
+	                         -1,
+	                         9,
+	                         10,
+	                         -10,
+	                         99,
+	                         100,
+	                         -100,
+	                         101,
+	                         999,
+	                         1000,
+	                         1763776000000,
+	                         INT64_MAX,
+	                         INT64_MIN,
+	                         INT64_MIN + 1};
+	struct buf b = {NULL, 0, 0};
+	char want[32], got[20];
+	int bad = 0;
+
+	for (size_t i = 0; i < sizeof(edges) / sizeof(edges[0]); i++) {
+		size_t n = buf_jint(got, edges[i]);
+		snprintf(want, sizeof(want), "%" PRId64, edges[i]);
+		CHECK(n == strlen(want) && memcmp(got, want, n) == 0);
+	}
+	for (int i = 0; i < 100000; i++) {
+		int64_t v = (int64_t)(((uint64_t)rand() << 33) ^ ((uint64_t)rand() << 11) ^
+		                      (uint64_t)rand()) >>
+		            (rand() % 63);
+		size_t n = buf_jint(got, v);
+		snprintf(want, sizeof(want), "%" PRId64, v);
+		bad += n != strlen(want) || memcmp(got, want, n) != 0;
+	}
+	CHECK(bad == 0);
+	CHECK(buf_append(&b, "x", 1) == 0 && buf_append_jint(&b, INT64_MIN) == 0);
+	CHECK(b.len == 21 && memcmp(b.data, "x-9223372036854775808", 21) == 0);
+	buf_free(&b);
+}
+
 int main(void)
 {
 	char tmp[128];
 	int bad = 0;
 
 	test_varint();
+	test_jint();
 
 	/* Random trees. */
 	for (int i = 0; i < 20000; i++) {
