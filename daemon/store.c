@@ -1115,7 +1115,7 @@ static int write_segment(struct store *s, const struct pending *p, const struct 
 		const char *rec = p->entries[e].rec;
 		__builtin_prefetch(rec);
 		__builtin_prefetch(rec + 64);
-		v[i++].r.map = rec;
+		v[i++].r.map = rec; /* where the record starts, until msgrec_next fills r */
 	}
 	for (size_t i = 0; i < c->n; i++) {
 		const char *rec = v[i].r.map;

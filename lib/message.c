@@ -9,8 +9,16 @@
 
 #include "buf.h"
 
+/* The wire names of the timing keys, in enum timing_key order: one list for both tables
+ * below (the names, and the quoted keys message_write_map writes). */
+#define TIMING_NAMES(X)                                                                            \
+	X("creation")                                                                              \
+	X("playStart") X("playEnd") X("listenStart") X("listenEnd") X("llmStart") X("llmEnd")
+
 static const char *const timing_names[TIMING_COUNT] = {
-    "creation", "playStart", "playEnd", "listenStart", "listenEnd", "llmStart", "llmEnd",
+#define NAME(name) name,
+    TIMING_NAMES(NAME)
+#undef NAME
 };
 
 const char *message_role_str(enum role r)
@@ -272,12 +280,8 @@ static const struct {
 	const char *s;
 	size_t n;
 } timing_keys[TIMING_COUNT] = {
-#define KEY(name)                                                                                  \
-	{                                                                                          \
-		"\"" name "\":", sizeof(name) + 2                                                  \
-	}
-    KEY("creation"),  KEY("playStart"), KEY("playEnd"), KEY("listenStart"),
-    KEY("listenEnd"), KEY("llmStart"),  KEY("llmEnd"),
+#define KEY(name) {"\"" name "\":", sizeof(name) + 2},
+    TIMING_NAMES(KEY)
 #undef KEY
 };
 
