@@ -614,6 +614,45 @@ static void test_pack(void)
 	buf_free(&json);
 }
 
+/* message_sort_key copies what it used to print with "%s~%s" and "%s": the same keys, and
+ * never more than MESSAGE_SK_MAX bytes even from an id of a full ULID_LEN characters. */
+static void test_sort_key(void)
+{
+	char sk[MESSAGE_SK_MAX + 2], want[MESSAGE_SK_MAX + 2];
+	struct message *m = message_new(ID1, ROLE_USER, 1);
+
+	memset(sk, 'x', sizeof(sk));
+	message_sort_key(m, sk);
+	CHECK_STR(sk, ID1);
+	CHECK(sk[MESSAGE_SK_MAX + 1] == 'x');
+	message_free(m);
+
+	m = message_new("abc", ROLE_ASSISTANT, 1); /* shorter ids are kept as they are */
+	message_sort_key(m, sk);
+	CHECK_STR(sk, "abc");
+	message_free(m);
+
+	m = message_new(ID3, ROLE_SUMMARY, 6);
+	message_sort_key(m, sk); /* a summary with no ids yet: its own id */
+	CHECK_STR(sk, ID3);
+	m->nsummary_ids = 2;
+	m->summary_ids = malloc(2 * sizeof(*m->summary_ids));
+	CHECK(m->summary_ids != NULL);
+	if (m->summary_ids) {
+		memcpy(m->summary_ids[0], ID1, ULID_LEN + 1);
+		memcpy(m->summary_ids[1], ID2, ULID_LEN + 1);
+		memset(sk, 'x', sizeof(sk));
+		message_sort_key(m, sk);
+		snprintf(want, sizeof(want), "%s~%s", ID2, ID3);
+		CHECK_STR(sk, want);
+		CHECK(strlen(sk) == MESSAGE_SK_MAX);
+		CHECK(sk[MESSAGE_SK_MAX + 1] == 'x');
+	} else {
+		m->nsummary_ids = 0;
+	}
+	message_free(m);
+}
+
 int main(void)
 {
 	test_names();
@@ -624,5 +663,6 @@ int main(void)
 	test_patch_apply();
 	test_from_map();
 	test_pack();
+	test_sort_key();
 	return test_done("message");
 }
