@@ -6,7 +6,7 @@
 # shellcheck disable=SC2034,SC2154 # variables shared with the sourcing script
 
 # bench_build BUILD: sets build (a directory, or a name under the project root), convod,
-# bench and baseline.
+# bench, baseline and convoctl.
 bench_build() {
 	build=${1:-build}
 	if [ ! -d "$build" ] && [ -d "$root/$build" ]; then
@@ -15,6 +15,14 @@ bench_build() {
 	convod=$build/daemon/convod
 	bench=$build/tests/bench/convod-bench
 	baseline=$build/tests/bench/json-baseline
+	convoctl=$build/clients/convoctl
+}
+
+# cpu_ticks PID: the user and system CPU time of process PID (all its threads) in clock
+# ticks (getconf CLK_TCK), or nothing when it has gone. The command name, in parentheses,
+# may hold spaces: the fields are counted from after it.
+cpu_ticks() {
+	sed -n 's/^.*) //p' "/proc/$1/stat" 2>/dev/null | awk '{ print $12 + $13 }'
 }
 
 # bench_need PROGRAM...: exits 2 unless each is an executable.

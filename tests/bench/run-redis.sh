@@ -27,6 +27,13 @@
 # warms the server up) and then measured with -n = calibrated req/s x DURATION. Redis'
 # req/s and latencies come from its --csv output.
 #
+# A second table gives the CPU time a request took, on each side: the server's (all its
+# threads, from /proc/PID/stat, per request it answered: convod's stats, redis-benchmark's
+# -n) and the load generator's (the shell's children, from `times`). Both include warmup
+# and calibration; kernel threads' work for a server's I/O counts for neither side. Unlike
+# req/s, these hardly move with what else the 2 cores run, so they show where a ratio comes
+# from: the server's cost, or the generator's. json-baseline counts no requests: "-".
+#
 # usage: tests/bench/run-redis.sh [options] [BUILD]     (BUILD defaults to "build")
 #   --duration SEC     measured seconds per run (DURATION, 5)
 #   --rounds N         how many times the whole sequence runs (ROUNDS, 3)
@@ -104,7 +111,7 @@ done
 prog=run-redis
 . "$root/tests/bench/lib.sh"
 bench_build "${build:-build}"
-bench_need "$convod" "$bench" "$baseline"
+bench_need "$convod" "$bench" "$baseline" "$convoctl"
 
 CAL_SECS=0.3
 if [ $quick = 1 ]; then
@@ -180,11 +187,15 @@ bench_run() {
 	key=$1
 	echo "run-redis: $key ..." >&2
 	rc=0
+	ticks0=$(cpu_ticks "$server_pid")
+	served0=$(served)
+	times >"$dir/times0"
 	# shellcheck disable=SC2086
 	"$bench" --socket "$sock" --json --mix adds-only --connections "$CONNECTIONS" \
 		--conversations "$CONVERSATIONS" --pipeline "$2" --duration "$DURATION" \
 		--warmup "$WARMUP" --message-bytes "$MESSAGE_BYTES" $BENCH_ARGS \
 		>"$dir/out.json" 2>"$dir/bench.err" || rc=$?
+	cpu_row "$key" "$ticks0" "$served0" "$(served)"
 	if [ $rc -ne 0 ]; then
 		status=1
 		sed 's/^/  /' "$dir/bench.err" >&2
@@ -198,6 +209,40 @@ bench_run() {
 		echo "run-redis: $server_name died during $key" >&2
 		status=1
 	fi
+}
+
+# served: the requests the convod under test has answered (its stats), or nothing for
+# another server (json-baseline counts none)
+served() {
+	case $server_name in
+	convod*)
+		"$convoctl" --socket "$sock" --raw --timeout 10 stats 2>/dev/null |
+			sed -n 's/.*"requests":{"total":\([0-9]*\).*/\1/p'
+		;;
+	esac
+}
+
+# cpu_row KEY TICKS0 SERVED0 SERVED1: a row of the CPU time the server (all its threads, from
+# TICKS0 on) and the load generator (the shell's children since times0) took for the
+# requests from SERVED0 to SERVED1 (warmup and calibration included on both sides); no
+# count, no row. `times` writes to a file: in a command substitution it would be a new
+# process's, with no children.
+cpu_row() {
+	ticks1=$(cpu_ticks "$server_pid")
+	times >"$dir/times1"
+	if [ -n "$2" ] && [ -n "$ticks1" ] && [ -n "$3" ] && [ -n "$4" ]; then
+		printf '%s\tcpu\t%s,%s,%s\n' "$1" "$((ticks1 - $2))" "$(($4 - $3))" \
+			"$(children_cpu "$dir/times1") - $(children_cpu "$dir/times0")" >>"$dir/results"
+	fi
+}
+
+# children_cpu FILE: the user plus system seconds of the children in FILE, what `times`
+# printed (its second line, as 0m1.230000s 0m0.450000s)
+children_cpu() {
+	awk 'NR == 2 {
+		split($1, u, "m"); split($2, s, "m")
+		printf "%.6f", u[1] * 60 + u[2] + s[1] * 60 + s[2]
+	}' "$1"
 }
 
 # redis_csv N PIPELINE: the LPUSH row of redis-benchmark --csv, or nothing
@@ -225,7 +270,10 @@ redis_run() {
 			awk -v n="$n" -v r="$rps" -v s="$CAL_SECS" 'BEGIN { exit !(n / r >= s) }'; then
 			n=$(awk -v r="$rps" -v d="$DURATION" -v c="$CONNECTIONS" -v p="$2" \
 				'BEGIN { n = int(r * d); if (n < c * p) n = c * p; print n }')
+			ticks0=$(cpu_ticks "$server_pid")
+			times >"$dir/times0"
 			measured=$(redis_csv "$n" "$2")
+			[ -z "$measured" ] || cpu_row "$key" "$ticks0" 0 "$n"
 			break
 		fi
 		n=$((n * 8))
@@ -307,16 +355,26 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 verdict=0
 python3 - "$dir/results" "$DURATION" "$WARMUP" "$CONNECTIONS" "$PIPELINE" "$MESSAGE_BYTES" \
 	"$fs" "${TMPDIR:-/tmp}" "$redis_version" "$redis_note" "$load_before" "$load_after" \
-	"$ROUNDS" <<'EOF' || verdict=$?
+	"$ROUNDS" "$(getconf CLK_TCK 2>/dev/null || echo 100)" <<'EOF' || verdict=$?
 import json, sys
 
 (path, duration, warmup, conns, pipeline, msg_bytes, fs, tmpdir, redis_version, redis_note,
- load_before, load_after, nrounds) = sys.argv[1:14]
+ load_before, load_after, nrounds, clk_tck) = sys.argv[1:15]
 nrounds = int(nrounds)
+clk_tck = float(clk_tck)
 runs = {}  # "a.convod#2" -> the run's figures (dict) or why it has none (str)
+cpu = {}   # "a.convod#2" -> (server us, load generator us) of CPU a request
 order = []
 for raw in open(path):
     key, kind, payload = raw.rstrip("\n").split("\t", 2)
+    if kind == "cpu":
+        # server ticks, requests, "load generator s after - before"
+        f = payload.split(",")
+        n = int(f[1])
+        after, before = (float(x) for x in f[2].split(" - "))
+        if n > 0:
+            cpu[key] = (int(f[0]) / clk_tck * 1e6 / n, (after - before) * 1e6 / n)
+        continue
     order.append(key)
     if kind == "bench":
         r = json.loads(payload)
@@ -427,6 +485,20 @@ names = {
     "c.convod_process": "convod process p1", "c.redis_everysec": "redis AOF everysec p1",
     "c.convod_machine": "convod machine p1", "c.redis_always": "redis AOF always p1",
 }
+print()
+print("CPU a request, in us (medians of the rounds): the server's, all its threads, and the load")
+print("generator's; warmup and calibration included, kernel threads' I/O work not")
+head = "%-41s %12s %12s %12s %12s" % ("pair", "convod srv", "other srv", "convod gen",
+                                     "other gen")
+print(head)
+print("-" * len(head))
+for label, ck, ok_, target in pairs:
+    row = []
+    for side in (0, 1):
+        for key in (ck, ok_):
+            v = [cpu["%s#%d" % (key, k)][side] for k in rounds if "%s#%d" % (key, k) in cpu]
+            row.append("%.1f" % median(v) if len(v) == nrounds else "-")
+    print("%-41s %12s %12s %12s %12s" % (label, row[0], row[1], row[2], row[3]))
 print()
 head = "%-29s %10s %10s %9s %9s %9s %9s %7s" % ("run", "requests", "req/s", "p50 us", "p99 us",
                                                "p99.9 us", "max us", "errors")
