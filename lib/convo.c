@@ -1096,13 +1096,14 @@ static void describe_metadata(struct tbuf *b, const struct message *m)
 	buf_str(b, any ? ", timing=[" : "timing=[");
 	bool first = true;
 	for (int k = 0; k < TIMING_COUNT; k++) {
-		if (m->timing[k] < 0)
+		int64_t v = message_timing(m, (enum timing_key)k);
+		if (v < 0)
 			continue;
 		buf_str(b, first ? "{" : ", {");
 		first = false;
 		buf_str(b, message_timing_str((enum timing_key)k));
 		buf_char(b, '=');
-		buf_i64(b, m->timing[k]);
+		buf_i64(b, v);
 		buf_char(b, '}');
 	}
 	buf_str(b, "]}");
@@ -1205,7 +1206,7 @@ enum error_code convo_check(const struct convo *c, struct error *err)
 		if (m->fake && m->role != ROLE_USER)
 			return error_set(err, ERR_INTERNAL, "invariant: fake message %zu not user",
 			                 i);
-		if (m->timing[TIMING_CREATION] < 0)
+		if (m->creation_ms < 0)
 			return error_set(err, ERR_INTERNAL,
 			                 "invariant: message %zu has no creation time", i);
 		if (m->role == ROLE_SUMMARY) {

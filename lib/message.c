@@ -61,10 +61,39 @@ static void message_init(struct message *m, const char *id, enum role role, int6
 	m->id[ULID_LEN] = '\0';
 	m->role = (uint8_t)role;
 	m->version = 1;
-	for (int k = 0; k < TIMING_COUNT; k++)
-		m->timing[k] = -1;
-	m->timing[TIMING_CREATION] = creation_ms;
+	m->creation_ms = creation_ms;
 	m->updated_ms = creation_ms;
+}
+
+int message_set_timing(struct message *m, enum timing_key k, int64_t v)
+{
+	if (k == TIMING_CREATION) {
+		m->creation_ms = v;
+		return 0;
+	}
+	if (!m->timing_more) {
+		if (v < 0)
+			return 0; /* unset already */
+		if (!(m->timing_more = malloc((TIMING_COUNT - 1) * sizeof(*m->timing_more))))
+			return -ENOMEM;
+		for (int i = 0; i < TIMING_COUNT - 1; i++)
+			m->timing_more[i] = -1;
+	}
+	m->timing_more[k - 1] = v;
+	return 0;
+}
+
+void message_get_timing(const struct message *m, int64_t out[TIMING_COUNT])
+{
+	for (int k = 0; k < TIMING_COUNT; k++)
+		out[k] = message_timing(m, (enum timing_key)k);
+}
+
+void message_restore_timing(struct message *m, const int64_t in[TIMING_COUNT])
+{
+	m->creation_ms = in[TIMING_CREATION];
+	if (m->timing_more)
+		memcpy(m->timing_more, in + 1, (TIMING_COUNT - 1) * sizeof(*m->timing_more));
 }
 
 struct message *message_new(const char *id, enum role role, int64_t creation_ms)
@@ -117,6 +146,7 @@ void message_free(struct message *m)
 		free(m->contents);
 	json_decref(m->aux);
 	free(m->summary_ids);
+	free(m->timing_more);
 	free(m);
 }
 
@@ -206,8 +236,8 @@ static json_t *metadata_to_json(const struct message *m)
 	if (set_new(md, "timing", timing) < 0)
 		goto fail;
 	for (int k = 0; k < TIMING_COUNT; k++) {
-		if (m->timing[k] >= 0 &&
-		    set_new(timing, timing_names[k], json_integer(m->timing[k])) < 0)
+		int64_t v = message_timing(m, (enum timing_key)k);
+		if (v >= 0 && set_new(timing, timing_names[k], json_integer(v)) < 0)
 			goto fail;
 	}
 	if (m->aux && json_object_set_nocheck(md, "aux", m->aux) < 0)
@@ -361,13 +391,14 @@ int message_write_map(struct buf *b, const struct message *m)
 	RAW(o, "\"timing\":{");
 	first = true;
 	for (int k = 0; k < TIMING_COUNT; k++) {
-		if (m->timing[k] < 0)
+		int64_t v = message_timing(m, (enum timing_key)k);
+		if (v < 0)
 			continue;
 		if (!first)
 			RAW(o, ",");
 		memcpy(o, timing_keys[k].s, timing_keys[k].n);
 		o += timing_keys[k].n;
-		o += buf_jint(o, m->timing[k]);
+		o += buf_jint(o, v);
 		first = false;
 	}
 	RAW(o, "}");
@@ -435,7 +466,7 @@ bool message_patch_changes(const struct message *m, const struct metadata_patch 
 	json_t *v;
 
 	for (int k = 0; k < TIMING_COUNT; k++) {
-		if (p->timing[k] >= 0 && p->timing[k] != m->timing[k])
+		if (p->timing[k] >= 0 && p->timing[k] != message_timing(m, (enum timing_key)k))
 			return true;
 	}
 	if (!p->aux)
@@ -474,9 +505,13 @@ int message_patch_apply(struct message *m, const struct metadata_patch *p)
 			}
 		}
 	}
-	for (int k = 0; k < TIMING_COUNT; k++) {
-		if (p->timing[k] >= 0 && k != TIMING_CREATION)
-			m->timing[k] = p->timing[k];
+	/* Only the first key set can fail (making the array): m is unchanged then. */
+	for (int k = TIMING_CREATION + 1; k < TIMING_COUNT; k++) {
+		if (p->timing[k] >= 0 &&
+		    message_set_timing(m, (enum timing_key)k, p->timing[k]) < 0) {
+			json_decref(aux);
+			return -ENOMEM;
+		}
 	}
 	if (p->aux) {
 		json_decref(m->aux);
@@ -560,9 +595,10 @@ static enum error_code parse_stored_timing(const json_t *timing, struct message 
 		if (!json_is_integer(v) || json_integer_value(v) < 0)
 			return error_set(err, ERR_BAD_REQUEST,
 			                 "metadata.timing.%s: expected an integer >= 0", key);
-		m->timing[k] = json_integer_value(v);
+		if (message_set_timing(m, (enum timing_key)k, json_integer_value(v)) < 0)
+			return error_set(err, ERR_INTERNAL, "out of memory");
 	}
-	if (m->timing[TIMING_CREATION] < 0)
+	if (m->creation_ms < 0)
 		return error_set(err, ERR_BAD_REQUEST, "metadata.timing.creation: missing");
 	return ERR_OK;
 }
@@ -606,7 +642,7 @@ enum error_code message_from_map(const json_t *map, uint32_t version, struct mes
 	if (!m)
 		return error_set(err, ERR_INTERNAL, "out of memory");
 	m->version = version;
-	m->timing[TIMING_CREATION] = -1;
+	m->creation_ms = -1;
 	json_array_foreach(contents, i, c)
 	{
 		if (!json_is_string(c)) {
@@ -646,7 +682,7 @@ enum error_code message_from_map(const json_t *map, uint32_t version, struct mes
 			}
 		}
 	}
-	m->updated_ms = m->timing[TIMING_CREATION];
+	m->updated_ms = m->creation_ms;
 	*out = m;
 	return ERR_OK;
 fail:
@@ -673,7 +709,7 @@ int message_pack(struct buf *b, const struct message *m)
 	unsigned char keys = 0;
 
 	for (int k = 0; k < TIMING_COUNT; k++)
-		keys |= (unsigned char)(m->timing[k] >= 0 ? 1u << k : 0);
+		keys |= (unsigned char)(message_timing(m, (enum timing_key)k) >= 0 ? 1u << k : 0);
 	if (buf_append(b, &flags, 1) < 0 || buf_append_varint(b, m->merges) < 0 ||
 	    buf_append_varint(b, m->ncontents) < 0)
 		return -ENOMEM;
@@ -683,9 +719,11 @@ int message_pack(struct buf *b, const struct message *m)
 			return -ENOMEM;
 	if (buf_append(b, &keys, 1) < 0)
 		return -ENOMEM;
-	for (int k = 0; k < TIMING_COUNT; k++)
-		if (m->timing[k] >= 0 && buf_append_varint(b, (uint64_t)m->timing[k]) < 0)
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		int64_t v = message_timing(m, (enum timing_key)k);
+		if (v >= 0 && buf_append_varint(b, (uint64_t)v) < 0)
 			return -ENOMEM;
+	}
 	if (buf_append_varint(b, m->nsummary_ids) < 0)
 		return -ENOMEM;
 	for (uint32_t i = 0; i < m->nsummary_ids; i++)
@@ -772,8 +810,8 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 		what = "cut short";
 		if ((keys & (1u << k)) && !get_count(&p, end, INT64_MAX, &v))
 			goto bad;
-		if (keys & (1u << k))
-			m->timing[k] = (int64_t)v;
+		if ((keys & (1u << k)) && message_set_timing(m, (enum timing_key)k, (int64_t)v) < 0)
+			goto oom;
 	}
 	if (!get_room(&p, end, ULID_LEN, &n))
 		goto bad;
@@ -799,7 +837,7 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 		what = "bytes after its end";
 		goto bad;
 	}
-	m->updated_ms = m->timing[TIMING_CREATION];
+	m->updated_ms = m->creation_ms;
 	*out = m;
 	return ERR_OK;
 bad:

@@ -38,6 +38,9 @@ struct text {
 	char bytes[];
 };
 
+/* 112 bytes on 64-bit machines. The timing keys other than creation are rarely set: they
+ * live in an array of their own, made by the first one set (message_set_timing); with all
+ * seven inline a message took 160. */
 struct message {
 	char id[ULID_LEN + 1];
 	uint8_t role;           /* enum role */
@@ -46,14 +49,33 @@ struct message {
 	uint32_t merges;        /* number of "merged" entries in attribute */
 	uint32_t version;       /* 1 at creation, +1 per real change */
 	uint32_t ncontents;
-	struct text **contents; /* ncontents owned strings */
-	int64_t timing[TIMING_COUNT]; /* Unix ms; -1 = unset; timing[TIMING_CREATION] always set */
-	json_t *aux;            /* owned object, or NULL when unset (never an empty object) */
 	uint32_t nsummary_ids;
+	struct text **contents; /* ncontents owned strings */
+	int64_t creation_ms;    /* timing creation: always set */
+	/* The other timing keys, [k - 1] for key k (Unix ms; -1 = unset), owned; NULL while
+	 * none was ever set. Read with message_timing; kept until message_free once made. */
+	int64_t *timing_more;
+	json_t *aux; /* owned object, or NULL when unset (never an empty object) */
 	char (*summary_ids)[ULID_LEN + 1]; /* summaries only; owned */
 	int64_t updated_ms;     /* Unix ms of the last change */
 	uint32_t seen[CONSUMER_COUNT]; /* version each consumer last took; 0 = never */
 };
+
+/* Timing key k of m: Unix ms, or -1 when unset (creation is always set). */
+static inline int64_t message_timing(const struct message *m, enum timing_key k)
+{
+	if (k == TIMING_CREATION)
+		return m->creation_ms;
+	return m->timing_more ? m->timing_more[k - 1] : -1;
+}
+/* Sets timing key k of m to v (-1 unsets it). 0, or -ENOMEM with m unchanged when the
+ * array of the other keys had to be made and could not. */
+int message_set_timing(struct message *m, enum timing_key k, int64_t v);
+/* All of m's timing keys into out, and back: message_restore_timing never allocates, and
+ * what message_get_timing took from m always fits back into m (its array, once made, stays
+ * until message_free). An undo's save and restore. */
+void message_get_timing(const struct message *m, int64_t out[TIMING_COUNT]);
+void message_restore_timing(struct message *m, const int64_t in[TIMING_COUNT]);
 
 /* message_new_text puts the contents array (room for one) and the first text in the
  * message's own allocation; these say which of them still are there. */

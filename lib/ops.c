@@ -475,7 +475,7 @@ static void undo_save(struct undo *u, const struct convo *c, struct message *m)
 		u->ncontents = m->ncontents;
 		u->merges = m->merges;
 		u->version = m->version;
-		memcpy(u->timing, m->timing, sizeof(u->timing));
+		message_get_timing(m, u->timing);
 		u->m_updated_ms = m->updated_ms;
 		u->aux = json_incref(m->aux);
 	}
@@ -502,7 +502,7 @@ static void undo_apply(struct undo *u, struct convo *c)
 		message_truncate_contents(m, u->ncontents);
 		m->merges = u->merges;
 		m->version = u->version;
-		memcpy(m->timing, u->timing, sizeof(m->timing));
+		message_restore_timing(m, u->timing);
 		m->updated_ms = u->m_updated_ms;
 		json_decref(m->aux);
 		m->aux = u->aux;

@@ -196,7 +196,7 @@ static void test_worked_example(void)
 	CHECK(!merged && c->nlog == 2 && m == c->log[1]);
 	CHECK(c->log[0]->role == ROLE_USER && c->log[0]->fake && c->log[0]->ncontents == 1);
 	CHECK_STR(text0(c->log[0]), "...");
-	CHECK(c->log[0]->timing[TIMING_CREATION] == T0 && c->log[0]->version == 1);
+	CHECK(message_timing(c->log[0], TIMING_CREATION) == T0 && c->log[0]->version == 1);
 	CHECK(m->role == ROLE_ASSISTANT && !m->fake && m->version == 1);
 	CHECK_STR(text0(m), "Hello!");
 	CHECK(strcmp(c->log[0]->id, c->log[1]->id) < 0);
@@ -217,7 +217,7 @@ static void test_worked_example(void)
 	CHECK_STR(m->id, ids[2]);
 	CHECK(m->ncontents == 2 && m->merges == 1 && m->version == 2);
 	CHECK_STR(m->contents[1]->bytes, "how are you");
-	CHECK(m->timing[TIMING_CREATION] == T0 + 1 && m->updated_ms == T0 + 3);
+	CHECK(message_timing(m, TIMING_CREATION) == T0 + 1 && m->updated_ms == T0 + 3);
 
 	/* add_assistant ["I am fine,", "and you?"] -> assistant (3) */
 	env.now_ms = T0 + 6;
@@ -304,7 +304,7 @@ static void test_worked_example(void)
 	CHECK(convo_set_metadata(c, &env, 7, &p, &e) == ERR_OK);
 	json_decref(aux);
 	json_decref(timing);
-	CHECK(c->log[7]->version == 2 && c->log[7]->timing[TIMING_PLAY_START] == T0 + 23);
+	CHECK(c->log[7]->version == 2 && message_timing(c->log[7], TIMING_PLAY_START) == T0 + 23);
 	CHECK(c->log[7]->updated_ms == T0 + 24 && c->updated_ms == T0 + 24);
 	CHECK_INVARIANTS(c);
 

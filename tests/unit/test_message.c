@@ -77,9 +77,9 @@ static void test_storage(void)
 		return;
 	CHECK_STR(m->id, ID1);
 	CHECK(m->role == ROLE_USER && m->version == 1 && !m->fake && !m->merges);
-	CHECK(m->timing[TIMING_CREATION] == 1234 && m->updated_ms == 1234);
+	CHECK(message_timing(m, TIMING_CREATION) == 1234 && m->updated_ms == 1234);
 	for (int k = 1; k < TIMING_COUNT; k++)
-		CHECK(m->timing[k] == -1);
+		CHECK(message_timing(m, k) == -1);
 	CHECK(m->aux == NULL && m->ncontents == 0 && message_text_bytes(m) == 0);
 
 	/* many appends keep every string; one holds NUL bytes */
@@ -124,7 +124,8 @@ static void test_inline_text(void)
 	CHECK(plain->inline_parts == 0);
 	CHECK(m->ncontents == 1 && m->contents[0]->len == 3 &&
 	      memcmp(m->contents[0]->bytes, "a\0b", 4) == 0);
-	CHECK(m->role == ROLE_ASSISTANT && m->version == 1 && m->timing[TIMING_CREATION] == 77);
+	CHECK(m->role == ROLE_ASSISTANT && m->version == 1 &&
+	      message_timing(m, TIMING_CREATION) == 77);
 	CHECK(message_append_text(plain, "a\0b", 3) == 0);
 	for (int i = 1; i < 40; i++) {
 		int n = snprintf(buf, sizeof(buf), "s%d", i);
@@ -177,8 +178,8 @@ static void test_map(void)
 	message_append_text(m, "Hello!", 6);
 	message_append_text(m, "x\0y", 3);
 	m->merges = 2;
-	m->timing[TIMING_PLAY_END] = 9;
-	m->timing[TIMING_PLAY_START] = 7;
+	CHECK(message_set_timing(m, TIMING_PLAY_END, 9) == 0);
+	CHECK(message_set_timing(m, TIMING_PLAY_START, 7) == 0);
 	m->aux = parse("{\"stopped\":true,\"n\":[1,{\"a\":null}]}");
 	CHECK_JSON(
 	    message_to_map(m),
@@ -299,7 +300,8 @@ static void test_patch_apply(void)
 	CHECK(message_patch_changes(m, &p));
 	CHECK(message_patch_apply(m, &p) == 0);
 	json_decref(hold); /* the message keeps its own copy */
-	CHECK(m->timing[TIMING_PLAY_START] == 200 && m->timing[TIMING_CREATION] == 100);
+	CHECK(message_timing(m, TIMING_PLAY_START) == 200 &&
+	      message_timing(m, TIMING_CREATION) == 100);
 	CHECK(m->version == 1 && m->updated_ms == 100); /* apply leaves these to the caller */
 	CHECK_JSON(json_incref(m->aux), "{\"stopped\":true,\"n\":{\"a\":[1]}}");
 
@@ -355,14 +357,14 @@ static void test_patch_apply(void)
 			break;
 		failures++;
 		char *got = dump(m->aux);
-		if (rc != -ENOMEM || m->aux != old || m->timing[TIMING_PLAY_END] != 300 ||
+		if (rc != -ENOMEM || m->aux != old || message_timing(m, TIMING_PLAY_END) != 300 ||
 		    strcmp(got, want))
 			unchanged = 0;
 		free(got);
 	}
 	CHECK(failures > 0);
 	CHECK(unchanged);
-	CHECK(m->timing[TIMING_PLAY_END] == 301);
+	CHECK(message_timing(m, TIMING_PLAY_END) == 301);
 	CHECK_JSON(json_incref(m->aux), "{\"z\":2,\"a\":{\"deep\":[1,2,3]},\"b\":\"x\"}");
 	free(want);
 	json_decref(patch_aux);
@@ -380,7 +382,8 @@ static char *pack_round_trip(const struct message *m, const char *id, int line)
 
 	if (message_pack(&b, m) == 0)
 		rc = message_unpack(b.data, b.len, id, 7, &back, &e);
-	if (rc == ERR_OK && back->version == 7 && back->updated_ms == m->timing[TIMING_CREATION]) {
+	if (rc == ERR_OK && back->version == 7 &&
+	    back->updated_ms == message_timing(m, TIMING_CREATION)) {
 		json_t *map = message_to_map(back);
 		text = dump(map);
 		json_decref(map);
@@ -406,7 +409,7 @@ static void check_round_trip(struct message *m, int line)
 	char *c = pack_round_trip(m, m->id, line);
 	test_checks++;
 	if (rc != ERR_OK || !back || back->version != 7 || !a || !b || strcmp(a, b) ||
-	    back->updated_ms != m->timing[TIMING_CREATION] || !c || strcmp(a, c)) {
+	    back->updated_ms != message_timing(m, TIMING_CREATION) || !c || strcmp(a, c)) {
 		test_failures++;
 		fprintf(stderr, "%s:%d: round trip failed: %s\n  %s\n  %s\n  %s\n", __FILE__, line,
 		        rc ? e.message : "", a ? a : "(null)", b ? b : "(null)", c ? c : "(null)");
@@ -444,7 +447,7 @@ static void test_from_map(void)
 	check_round_trip(m, __LINE__);
 	message_append_text(m, "a\0b", 3);
 	m->merges = 3;
-	m->timing[TIMING_LISTEN_END] = 0;
+	CHECK(message_set_timing(m, TIMING_LISTEN_END, 0) == 0);
 	m->aux = parse("{\"x\":[true,null,1.5,\"s\"]}");
 	check_round_trip(m, __LINE__);
 	message_free(m);
@@ -564,7 +567,7 @@ static void test_pack(void)
 	/* The smallest one. */
 	CHECK(message_unpack("\x00\x00\x01\x00\x01\x00\x00", 7, ID1, 1, &back, &e) == ERR_OK &&
 	      back && back->ncontents == 1 && back->contents[0]->len == 0 &&
-	      back->timing[TIMING_CREATION] == 0);
+	      message_timing(back, TIMING_CREATION) == 0);
 	message_free(back);
 
 	/* A full one: fake, merged, NULs, every timing, aux; and a summary. */
@@ -574,7 +577,7 @@ static void test_pack(void)
 	m->fake = true;
 	m->merges = 300;
 	for (int k = 1; k < TIMING_COUNT; k++)
-		m->timing[k] = (int64_t)k << (8 * k);
+		CHECK(message_set_timing(m, k, (int64_t)k << (8 * k)) == 0);
 	m->aux = parse("{\"k\":\"v\\u0000x\",\"o\":{\"n\":[1.5,null]}}");
 	m->summary_ids = malloc(2 * sizeof(*m->summary_ids));
 	memcpy(m->summary_ids[0], ID1, ULID_LEN + 1);
@@ -648,6 +651,48 @@ static void test_sort_key(void)
 	message_free(m);
 }
 
+/* The timing keys other than creation live in an array made by the first one set. */
+static void test_timing(void)
+{
+	struct message *m = message_new(ID1, ROLE_USER, 42);
+	int64_t saved[TIMING_COUNT], all[TIMING_COUNT];
+
+	CHECK(sizeof(struct message) <= 112 || sizeof(void *) != 8);
+	if (!m)
+		return;
+	CHECK(message_timing(m, TIMING_CREATION) == 42 && !m->timing_more);
+	CHECK(message_set_timing(m, TIMING_LLM_END, -1) == 0 && !m->timing_more); /* no array */
+	message_get_timing(m, saved);
+	CHECK(saved[TIMING_CREATION] == 42);
+	for (int k = 1; k < TIMING_COUNT; k++)
+		CHECK(saved[k] == -1);
+
+	CHECK(message_set_timing(m, TIMING_LISTEN_START, 5) == 0 && m->timing_more);
+	CHECK(message_set_timing(m, TIMING_LLM_END, 0) == 0);
+	CHECK(message_set_timing(m, TIMING_CREATION, 43) == 0);
+	for (int k = 0; k < TIMING_COUNT; k++) {
+		int64_t want = k == TIMING_CREATION       ? 43
+		               : k == TIMING_LISTEN_START ? 5
+		               : k == TIMING_LLM_END      ? 0
+		                                          : -1;
+		CHECK(message_timing(m, (enum timing_key)k) == want);
+	}
+	message_get_timing(m, all);
+	CHECK(all[TIMING_LISTEN_START] == 5 && all[TIMING_LLM_END] == 0);
+
+	/* An undo: back to before the array was made; it stays, all unset. */
+	message_restore_timing(m, saved);
+	CHECK(m->timing_more != NULL);
+	for (int k = 0; k < TIMING_COUNT; k++)
+		CHECK(message_timing(m, (enum timing_key)k) == saved[k]);
+	message_restore_timing(m, all);
+	CHECK(message_timing(m, TIMING_LISTEN_START) == 5 &&
+	      message_timing(m, TIMING_CREATION) == 43);
+	CHECK(message_set_timing(m, TIMING_LISTEN_START, -1) == 0);
+	CHECK(message_timing(m, TIMING_LISTEN_START) == -1);
+	message_free(m); /* frees the array: valgrind and ASan watch */
+}
+
 int main(void)
 {
 	test_names();
@@ -659,5 +704,6 @@ int main(void)
 	test_from_map();
 	test_pack();
 	test_sort_key();
+	test_timing();
 	return test_done("message");
 }

@@ -217,7 +217,9 @@ static void check_same(const struct convo *orig, const struct convo *loaded, int
 		CHECK_STR(b->id, a->id);
 		CHECK(b->role == a->role && b->fake == a->fake && b->merges == a->merges);
 		CHECK(b->version == a->version && b->updated_ms == a->updated_ms);
-		CHECK(memcmp(b->timing, a->timing, sizeof(a->timing)) == 0);
+		for (int k = 0; k < TIMING_COUNT; k++)
+			CHECK(message_timing(b, (enum timing_key)k) ==
+			      message_timing(a, (enum timing_key)k));
 		CHECK(b->ncontents == a->ncontents);
 		for (uint32_t k = 0; k < a->ncontents && k < b->ncontents; k++)
 			CHECK(b->contents[k]->len == a->contents[k]->len &&
