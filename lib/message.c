@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "buf.h"
+#include "ops.h"
 
 /* The wire names of the timing keys, in enum timing_key order: one list for both tables
  * below (the names, and the quoted keys message_write_map writes). */
@@ -829,7 +830,12 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 	}
 	if (flags & PACK_AUX) {
 		json_error_t je;
+		bool lost = ops_json_alloc_failed();
 		m->aux = json_loadb(p, (size_t)(end - p), JSON_ALLOW_NUL, &je);
+		/* jansson reports a failed allocation as a syntax error, or drops a byte of a
+		 * string: that is memory, not damage (test_alloc_fail's restore_refused). */
+		if (!lost && ops_json_alloc_failed())
+			goto oom;
 		what = "aux: not a non-empty object";
 		if (!json_is_object(m->aux) || !json_object_size(m->aux))
 			goto bad;

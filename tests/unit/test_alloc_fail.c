@@ -13,9 +13,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "buf.h"
 #include "config.h"
 #include "dispatch.h"
 #include "log.h"
+#include "message.h"
 #include "ops.h"
 #include "test.h"
 
@@ -498,6 +500,76 @@ static void run(unsigned long fail_at, char **expected, struct outcome *o)
 	CHECK(A.live == live_before);
 }
 
+/* --- restoring a message --------------------------------------------------------------- */
+
+/* A message comes back from the store's packed form (message_unpack) and from a DynamoDB
+ * item's map (message_from_map), which allocate its block, more texts, the array of the
+ * timing keys other than creation, summary ids and aux. With each allocation refused in
+ * turn, each gives an internal error with nothing left allocated, or the message itself. */
+static void restore_refused(void)
+{
+	struct message *m = message_new("01JRZJ166HZFPP405DV1QQB2X8", ROLE_ASSISTANT, 1000), *back;
+	struct buf packed = {NULL, 0, 0};
+	struct error e;
+	json_t *map;
+	char *want;
+	unsigned long n, refused = 0;
+
+	CHECK(m && message_append_text(m, "first", 5) == 0 &&
+	      message_append_text(m, "second", 6) == 0);
+	if (!m)
+		return;
+	m->merges = 1;
+	CHECK(message_set_timing(m, TIMING_PLAY_START, 1001) == 0 &&
+	      message_set_timing(m, TIMING_LLM_END, 1002) == 0);
+	m->aux = json_loads("{\"lang\":\"en\",\"n\":[1,2]}", 0, NULL);
+	map = message_to_map(m);
+	want = json_dumps(map, JSON_COMPACT | JSON_SORT_KEYS);
+	CHECK(map && want && message_pack(&packed, m) == 0);
+	for (int form = 0; form < 2 && map && want; form++) {
+		for (n = 1;; n++) {
+			long live = A.live;
+			enum error_code rc;
+			char *got = NULL;
+			json_t *again;
+
+			A.calls = 0;
+			A.fail_at = n;
+			A.failed = false;
+			ops_json_alloc_reset(); /* as dispatch does before each request */
+			A.armed = true;
+			rc = form ? message_from_map(map, 3, &back, &e)
+			          : message_unpack(packed.data, packed.len, m->id, 3, &back, &e);
+			A.armed = false;
+			if (rc == ERR_OK) {
+				again = message_to_map(back);
+				got = json_dumps(again, JSON_COMPACT | JSON_SORT_KEYS);
+				json_decref(again);
+				CHECK(got && strcmp(got, want) == 0);
+				free(got);
+				message_free(back);
+			} else {
+				if (rc != ERR_INTERNAL)
+					fprintf(stderr, "form %d n %lu: %s: %s\n", form, n,
+					        error_code_str(rc), e.message);
+				CHECK(rc == ERR_INTERNAL && back == NULL);
+				refused++;
+			}
+			CHECK(A.live == live);
+			if (!A.failed)
+				break;
+		}
+		CHECK(n > 3); /* the block, a text, the timing array at least */
+	}
+	fprintf(stderr, "alloc_fail: restoring a message: %lu refusals answered internal\n",
+	        refused);
+	CHECK(refused > 0);
+	json_decref(map);
+	free(want);
+	buf_free(&packed);
+	message_free(m);
+}
+
 int main(void)
 {
 	char *expected[NSTEPS] = {NULL};
@@ -543,6 +615,7 @@ int main(void)
 			fprintf(stderr, "  step %zu: %lu problems: %.80s\n", i, problems[i],
 			        script[i].line ? script[i].line : "(built from the conversation)");
 	CHECK(n > total);
+	restore_refused();
 	for (size_t i = 0; i < NSTEPS; i++)
 		(free)(expected[i]);
 	return test_done("alloc_fail");
