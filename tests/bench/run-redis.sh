@@ -224,15 +224,18 @@ served() {
 
 # cpu_row KEY TICKS0 SERVED0 SERVED1: a row of the CPU time the server (all its threads, from
 # TICKS0 on) and the load generator (the shell's children since times0) took for the
-# requests from SERVED0 to SERVED1 (warmup and calibration included on both sides); no
-# count, no row. `times` writes to a file: in a command substitution it would be a new
+# requests from SERVED0 to SERVED1 (warmup and calibration included on both sides); a
+# figure missing, no row. `times` writes to a file: in a command substitution it would be a new
 # process's, with no children.
 cpu_row() {
 	ticks1=$(cpu_ticks "$server_pid")
 	times >"$dir/times1"
-	if [ -n "$2" ] && [ -n "$ticks1" ] && [ -n "$3" ] && [ -n "$4" ]; then
-		printf '%s\tcpu\t%s,%s,%s\n' "$1" "$((ticks1 - $2))" "$(($4 - $3))" \
-			"$(children_cpu "$dir/times1") - $(children_cpu "$dir/times0")" >>"$dir/results"
+	gen1=$(children_cpu "$dir/times1")
+	gen0=$(children_cpu "$dir/times0")
+	if [ -n "$2" ] && [ -n "$ticks1" ] && [ -n "$3" ] && [ -n "$4" ] && [ -n "$gen0" ] &&
+		[ -n "$gen1" ]; then
+		printf '%s\tcpu\t%s,%s,%s - %s\n' "$1" "$((ticks1 - $2))" "$(($4 - $3))" "$gen1" \
+			"$gen0" >>"$dir/results"
 	fi
 }
 
