@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
@@ -322,11 +323,35 @@ def test_credentials_appear_later(probe, dynalite, ddb_table, tmp_path):
                              "--log-level", "info", "--timeout-ms", "30000"],
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    time.sleep(1.2)
-    creds.write_text("[default]\naws_access_key_id = %s\naws_secret_access_key = %s\n"
-                     % (KEY_ID, SECRET))
-    out, err = proc.communicate(timeout=60)
-    r = Run(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    # The file is written only once the sink has said it has none: a fixed sleep was too
+    # short for a probe slowed down by valgrind, which then found the file at its start.
+    out, err = [], []
+    missing = threading.Event()
+
+    def drain(stream, into, watch):
+        for line in iter(stream.readline, b""):
+            into.append(line)
+            if watch and b"no AWS credentials" in line:
+                missing.set()
+
+    readers = [threading.Thread(target=drain, args=(proc.stdout, out, False)),
+               threading.Thread(target=drain, args=(proc.stderr, err, True))]
+    for t in readers:
+        t.start()
+    try:
+        assert missing.wait(60), "the sink never said it had no credentials"
+        time.sleep(0.2)  # it is now waiting between retries
+        creds.write_text("[default]\naws_access_key_id = %s\naws_secret_access_key = %s\n"
+                         % (KEY_ID, SECRET))
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for t in readers:
+            t.join()
+    r = Run(subprocess.CompletedProcess(proc.args, proc.returncode, b"".join(out),
+                                        b"".join(err)))
     assert "Sanitizer" not in r.err and "runtime error:" not in r.err, r.err[-8000:]
     _ok(r)
     assert "no AWS credentials" in r.err and "AWS credentials reread" in r.err
