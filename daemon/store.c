@@ -2,6 +2,7 @@
  * transaction per loop turn, message records journaled per turn and folded into segments
  * per conversation, and conversations rebuilt from them. */
 #include "store.h"
+#include "walvfs.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -1976,10 +1977,16 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		s->hash_key[1] = (uint64_t)time(NULL);
 	}
 
+	/* The loop's commits write their WAL frames through walvfs, one write each. */
+	if ((rc = walvfs_register()) < 0) {
+		set_errbuf(errbuf, errlen, "store: cannot register its SQLite VFS: %s",
+		           strerror(-rc));
+		goto fail;
+	}
 	rc = sqlite3_open_v2(s->path, &s->db,
 	                     SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX |
 	                         SQLITE_OPEN_EXRESCODE,
-	                     NULL);
+	                     WALVFS_NAME);
 	if (rc != SQLITE_OK) {
 		int e = s->db ? sqlite3_system_errno(s->db) : 0;
 		set_errbuf(errbuf, errlen, "cannot open %s: %s%s%s", s->path,

@@ -1,0 +1,21 @@
+/* walvfs: an SQLite VFS over the default one that writes each commit's WAL frames in one
+ * system call instead of two per frame. */
+#ifndef CONVOD_WALVFS_H
+#define CONVOD_WALVFS_H
+
+/* The name to pass to sqlite3_open_v2. */
+#define WALVFS_NAME "convod-wal"
+
+/* Registers the VFS (not as the default) once per process; later calls only return the
+ * first one's result. Thread-safe. 0 or -ENOSYS (no default VFS) or -ENOMEM. */
+int walvfs_register(void);
+
+/* What WAL files took through the VFS since the process started: the writes it made, and
+ * the writes of SQLite's (frame headers and pages) it gathered into some of them. */
+struct walvfs_counts {
+	unsigned long long writes;
+	unsigned long long gathered;
+};
+void walvfs_counts(struct walvfs_counts *out);
+
+#endif
