@@ -52,6 +52,10 @@
  * from the thread starved behind the commits: the WAL grew past 100 MB in the store's unit
  * test.) A larger bound makes these waits rarer, not longer. */
 #define STORE_WAL_HARD_PAGES 32000
+/* A checkpoint round that left at most this many frames behind it (those of the commits
+ * made meanwhile) is the last: the next commit copies them (checkpoint_catch_up), a few
+ * hundred us on the loop, instead of another round. */
+#define STORE_CATCH_UP_PAGES 256
 /* Pending records after which a fold cycle starts (see "Messages" below). A segment per
  * conversation and cycle costs about a page of WAL beyond its records (the index, the
  * table's inner pages), so fewer, longer segments write less: 16384 -> 65536 at 1000
@@ -251,6 +255,11 @@ struct checkpointer {
 	uint64_t ns;       /* time in them */
 	const char *path;  /* the store's */
 	enum durability durability;
+	/* The thread's last round left little behind: the next commit copies it, so that the
+	 * WAL starts over (checkpoint_catch_up). */
+	_Atomic bool catch_up;
+	_Atomic int wal_frames;     /* the WAL's size at the last commit (wal_hook) */
+	_Atomic int catch_up_pages; /* STORE_CATCH_UP_PAGES, or what a test set */
 };
 
 /* One pending record, and the next record of its conversation (SIZE_MAX: none). */
@@ -686,6 +695,20 @@ not_ours:
 	return errno_of(db, rc);
 }
 
+/* Syncs db's database file. SQLite syncs it only after a checkpoint that reached the WAL's
+ * end, which under continuous writes none of the thread's do: the pages they copied stayed
+ * dirty in the kernel, and the one checkpoint that did reach the end, with commits held,
+ * waited 20-100 ms for all of them to be written. */
+static int sync_database(sqlite3 *db)
+{
+	sqlite3_file *f = NULL;
+	int rc = sqlite3_file_control(db, "main", SQLITE_FCNTL_FILE_POINTER, &f);
+
+	if (rc != SQLITE_OK || !f || !f->pMethods)
+		return rc;
+	return f->pMethods->xSync(f, SQLITE_SYNC_NORMAL);
+}
+
 static void *checkpointer_main(void *arg)
 {
 	struct checkpointer *ck = arg;
@@ -722,11 +745,21 @@ static void *checkpointer_main(void *arg)
 			}
 		}
 		uint64_t t0 = mono_ns();
+		int copied = 0;
 		if (db)
 			rc = sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL,
-			                               NULL);
+			                               &copied);
+		if (rc == SQLITE_OK && ck->durability != DURABILITY_NONE)
+			rc = sync_database(db);
 		t0 = mono_ns() - t0;
 		pthread_mutex_lock(&ck->mu);
+		if (rc == SQLITE_OK &&
+		    atomic_load_explicit(&ck->wal_frames, memory_order_relaxed) - copied <=
+		        atomic_load_explicit(&ck->catch_up_pages, memory_order_relaxed)) {
+			/* The asks of the commits made during the round are answered too. */
+			atomic_store_explicit(&ck->catch_up, true, memory_order_relaxed);
+			ck->wanted = false;
+		}
 		ck->ns += t0;
 		ck->running = false;
 		/* SQLITE_BUSY: the WAL was being started over at that moment; the next round
@@ -752,6 +785,40 @@ static int checkpoint_ask(struct checkpointer *ck)
 	rc = ck->last_rc;
 	pthread_mutex_unlock(&ck->mu);
 	return rc;
+}
+
+/* After a commit on db, the writing connection (held): when the thread's last round left
+ * little behind, copies the frames of the commits made during it, with no commit in
+ * between, so that the next commit starts the WAL over. Without it, under continuous
+ * writes no round ever reached the WAL's end, rounds ran back to back (about 140 a second
+ * at 50 connections), and the WAL grew to STORE_WAL_HARD_PAGES, where the writer held
+ * commits for a whole checkpoint. Skipped while a round runs. */
+static void checkpoint_catch_up(struct checkpointer *ck, sqlite3 *db)
+{
+	uint64_t t0;
+	int rc;
+
+	if (!atomic_load_explicit(&ck->catch_up, memory_order_relaxed))
+		return;
+	pthread_mutex_lock(&ck->mu);
+	if (ck->running) {
+		pthread_mutex_unlock(&ck->mu);
+		return;
+	}
+	atomic_store_explicit(&ck->catch_up, false, memory_order_relaxed);
+	ck->running = true;
+	pthread_mutex_unlock(&ck->mu);
+	t0 = mono_ns();
+	rc = sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
+	t0 = mono_ns() - t0;
+	pthread_mutex_lock(&ck->mu);
+	ck->running = false;
+	ck->runs++;
+	ck->ns += t0;
+	if (rc != SQLITE_BUSY)
+		ck->last_rc = rc;
+	pthread_cond_broadcast(&ck->cv);
+	pthread_mutex_unlock(&ck->mu);
 }
 
 /* Waits for the checkpoint thread's round to end, then checkpoints on db, the writing
@@ -796,6 +863,7 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 	int rc;
 
 	count_set(&s->n.wal_pages, (uint64_t)(pages > 0 ? pages : 0));
+	atomic_store_explicit(&ck->wal_frames, pages, memory_order_relaxed);
 	if (pages < s->checkpoint_pages)
 		return SQLITE_OK;
 	if (pages >= s->wal_hard_pages && s->writer_started &&
@@ -808,6 +876,10 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 		pthread_mutex_unlock(&s->qmu);
 		return SQLITE_OK;
 	}
+	/* The thread's last round left little behind: this commit's writer copies it right
+	 * after it (checkpoint_catch_up); a new round now would only keep it from doing so. */
+	if (pages < s->wal_hard_pages && atomic_load_explicit(&ck->catch_up, memory_order_relaxed))
+		return SQLITE_OK;
 	/* The thread fell behind: the writer (or the thread opening or closing the store)
 	 * takes the rest itself. */
 	rc = pages >= s->wal_hard_pages ? checkpoint_after_round(ck, db, name, NULL)
@@ -1275,6 +1347,8 @@ static int tx_commit(struct store *s)
 	count_set(&s->n.dead_batches, s->dead_batches);
 	s->txn_fold_started = s->txn_fold_ended = false;
 	s->txn_segments = s->txn_folded = 0;
+	if (s->ck.started)
+		checkpoint_catch_up(&s->ck, s->db);
 	return 0;
 }
 
@@ -2000,6 +2074,7 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	s->fold_records = STORE_FOLD_RECORDS;
 	s->checkpoint_pages = STORE_CHECKPOINT_PAGES;
 	s->wal_hard_pages = STORE_WAL_HARD_PAGES;
+	s->ck.catch_up_pages = STORE_CATCH_UP_PAGES;
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
@@ -2103,13 +2178,15 @@ void store_set_idle_fold(struct store *s, bool on)
 	pthread_mutex_unlock(&s->qmu);
 }
 
-void store_set_wal_pages(struct store *s, int checkpoint, int hard)
+void store_set_wal_pages(struct store *s, int checkpoint, int hard, int catch_up)
 {
 	/* wal_hook reads them in commits, which hold dbmu */
 	pthread_mutex_lock(&s->dbmu);
 	s->checkpoint_pages = checkpoint > 0 ? checkpoint : 1;
 	s->wal_hard_pages = hard > s->checkpoint_pages ? hard : s->checkpoint_pages;
 	pthread_mutex_unlock(&s->dbmu);
+	if (catch_up > 0)
+		atomic_store_explicit(&s->ck.catch_up_pages, catch_up, memory_order_relaxed);
 }
 
 int store_begin(struct store *s)

@@ -46,8 +46,9 @@ void store_set_fold_records(struct store *s, size_t n);
 void store_set_idle_fold(struct store *s, bool on);
 /* For tests: the WAL sizes in pages that start a round of the checkpoint thread (default
  * 16000) and past which the writer waits for it and checkpoints itself (32000; not below
- * the first: equal, the thread is never asked). */
-void store_set_wal_pages(struct store *s, int checkpoint, int hard);
+ * the first: equal, the thread is never asked), and the frames a round may leave behind
+ * for the next commit to copy (256; 0 keeps the default). */
+void store_set_wal_pages(struct store *s, int checkpoint, int hard, int catch_up);
 
 /* One transaction per loop turn, written by the store's writer thread. store_begin opens
  * it (0, or -EINVAL when one is open already); the writes below record into it; nothing is
