@@ -1827,6 +1827,52 @@ static void test_dead_count(void)
 	convo_free(c);
 }
 
+/* Commits n 8 kB messages to a new store of durability `machine` in dir tag, one a
+ * commit, with the WAL sizes set (store_set_wal_pages); checks that the conversation reads
+ * back whole. Returns the WAL file's size at the end (its high-water mark), or -1, and the
+ * checkpoints run meanwhile in *rounds. */
+static long long commit_big(const char *tag, int machine, int n, int checkpoint, int hard,
+                            int catch_up, uint64_t *rounds)
+{
+	static char text[8000];
+	struct convo_env env;
+	struct store *s = NULL;
+	struct convo *c, *l = NULL;
+	char dir[128], err[256], wal[192];
+	struct stat st;
+	long long size = -1;
+
+	memset(text, 'w', sizeof(text) - 1);
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), tag);
+	CHECK(store_open(dir, machine ? DURABILITY_MACHINE : DURABILITY_PROCESS, &s, err,
+	                 sizeof(err)) == 0);
+	if (!s)
+		return -1;
+	store_set_wal_pages(s, checkpoint, hard, catch_up);
+	*rounds = store_checkpoints(s);
+	c = convo_new("w", 1);
+	for (int i = 0; c && i < n; i++) {
+		uint64_t seq;
+		CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+		CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
+		CHECK(store_submit(s, &seq) == 0);
+		CHECK(store_sync(s) == 0);
+	}
+	*rounds = store_checkpoints(s) - *rounds;
+	snprintf(wal, sizeof(wal), "%s/convod.db-wal", dir);
+	CHECK(stat(wal, &st) == 0);
+	size = (long long)st.st_size;
+	printf("%s: %" PRIu64 " checkpoints, the WAL file ended at %lld bytes\n", tag, *rounds,
+	       size);
+	CHECK(store_load_conversation(s, "w", 1, &l) == 0);
+	CHECK_SAME(c, l);
+	convo_free(l);
+	store_close(s);
+	convo_free(c);
+	return size;
+}
+
 /* The WAL bound: past it the writer checkpoints itself (after the thread's round) and the
  * next commit starts the WAL over, whether the commit that crossed it was the writer's
  * (machine) or the loop's own (process: the loop only flags it, and the writer takes the
@@ -1835,97 +1881,29 @@ static void test_dead_count(void)
  * 1,800 pages, in a WAL bounded at 50. */
 static void test_wal_bound(void)
 {
-	static char text[8000];
-	struct convo_env env;
-	char dir[128];
+	uint64_t rounds;
 
-	memset(text, 'w', sizeof(text) - 1);
-	env_init(&env, T0);
-	for (int machine = 0; machine < 2; machine++) {
-		struct store *s = NULL;
-		struct convo *c, *l = NULL;
-		char err[256], wal[192];
-		struct stat st;
-		make_dir(dir, sizeof(dir), machine ? "bound-machine" : "bound-process");
-		CHECK(store_open(dir, machine ? DURABILITY_MACHINE : DURABILITY_PROCESS, &s, err,
-		                 sizeof(err)) == 0);
-		if (!s)
-			continue;
-		store_set_wal_pages(s, 50, 50, 0);
-		c = convo_new("w", 1);
-		for (int i = 0; c && i < 600; i++) {
-			uint64_t seq;
-			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-			CHECK(store_submit(s, &seq) == 0);
-			CHECK(store_sync(s) == 0);
-		}
-		snprintf(wal, sizeof(wal), "%s/convod.db-wal", dir);
-		CHECK(stat(wal, &st) == 0);
-		printf("wal bound (%s): the WAL file ended at %lld bytes\n",
-		       machine ? "machine" : "process", (long long)st.st_size);
-		/* At machine the commit that crossed it checkpoints: 50 pages and that commit.
-		 * At process the loop may commit a few more before the writer takes over. */
-		CHECK(st.st_size < (off_t)(machine ? 60 : 500) * (4096 + 24));
-		CHECK(store_load_conversation(s, "w", 1, &l) == 0);
-		CHECK_SAME(c, l);
-		convo_free(l);
-		store_close(s);
-		convo_free(c);
-	}
+	/* At machine the commit that crossed it checkpoints: 50 pages and that commit. At
+	 * process the loop may commit a few more before the writer takes over. */
+	CHECK(commit_big("wal-bound-process", 0, 600, 50, 50, 0, &rounds) < 500LL * (4096 + 24));
+	CHECK(commit_big("wal-bound-machine", 1, 600, 50, 50, 0, &rounds) < 60LL * (4096 + 24));
 }
 
 /* Continuous commits with the WAL past its checkpoint size and the hard bound out of reach:
  * the checkpoint thread's rounds alone never reach the WAL's end while commits go on, so
  * it is the commit after the last round (checkpoint_catch_up) that lets the WAL start over.
  * 1,500 commits of an 8 kB message write about 4,500 pages; without the catch-up the WAL
- * kept all of them. */
+ * file ended at 28-31 MB. Here every round is followed by a catch-up, however much it left
+ * (the default, 256 pages, depends on how fast the disk syncs next to the commits). */
 static void test_wal_catch_up(void)
 {
-	static char text[8000];
-	struct convo_env env;
-	char dir[128];
-
-	memset(text, 'k', sizeof(text) - 1);
-	env_init(&env, T0);
 	for (int machine = 0; machine < 2; machine++) {
-		struct store *s = NULL;
-		struct convo *c, *l = NULL;
-		char err[256], wal[192];
-		struct stat st;
-		uint64_t rounds;
-		make_dir(dir, sizeof(dir), machine ? "catch-up-machine" : "catch-up-process");
-		CHECK(store_open(dir, machine ? DURABILITY_MACHINE : DURABILITY_PROCESS, &s, err,
-		                 sizeof(err)) == 0);
-		if (!s)
-			continue;
-		/* Every round is followed by a catch-up, however much it left (the default,
-		 * 256 pages, depends on how fast the disk syncs next to the commits). */
-		store_set_wal_pages(s, 100, 1000000, 1000000);
-		rounds = store_checkpoints(s);
-		c = convo_new("k", 1);
-		for (int i = 0; c && i < 1500; i++) {
-			uint64_t seq;
-			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-			CHECK(store_submit(s, &seq) == 0);
-			CHECK(store_sync(s) == 0);
-		}
-		snprintf(wal, sizeof(wal), "%s/convod.db-wal", dir);
-		CHECK(stat(wal, &st) == 0);
-		printf("wal catch-up (%s): %" PRIu64 " checkpoints, the WAL file ended at %lld "
-		       "bytes\n",
-		       machine ? "machine" : "process", store_checkpoints(s) - rounds,
-		       (long long)st.st_size);
-		CHECK(store_checkpoints(s) > rounds);
-		/* 100 pages, what came in during the last round, and a commit: without the
-		 * catch-up 28-31 MB. */
-		CHECK(st.st_size < (off_t)3000 * (4096 + 24));
-		CHECK(store_load_conversation(s, "k", 1, &l) == 0);
-		CHECK_SAME(c, l);
-		convo_free(l);
-		store_close(s);
-		convo_free(c);
+		uint64_t rounds = 0;
+		long long size = commit_big(machine ? "catch-up-machine" : "catch-up-process",
+		                            machine, 1500, 100, 1000000, 1000000, &rounds);
+		CHECK(rounds > 0);
+		/* 100 pages, what came in during the last round, and a commit. */
+		CHECK(size >= 0 && size < 3000LL * (4096 + 24));
 	}
 }
 
