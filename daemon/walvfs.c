@@ -4,7 +4,8 @@
  *
  * SQLite writes each WAL frame as two writes (its 24-byte header, then the page), so a
  * commit of n pages is 2n system calls; at durability process, where nothing is synced,
- * they were most of a commit's cost. The gathering keeps what SQLite relies on:
+ * they were about a quarter of the loop's time in its commits (4.5 pages a commit at 50
+ * connections). The gathering keeps what SQLite relies on:
  *
  * - the bytes reach the file in the order SQLite wrote them: only a write that continues
  *   the gathered bytes joins them, and anything else on the file (another write, a read,
