@@ -19,6 +19,7 @@ import time
 import pytest
 
 import ddb
+from conftest import VALGRIND
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "sink-probe-secret-value"
@@ -197,7 +198,10 @@ def test_throughput_dynalite(probe, dynalite, ddb_table, tmp_path):
     rate = r.rate()
     line = [ln for ln in r.err.splitlines() if "items confirmed" in ln][0]
     print("\nsink throughput into dynalite: %s items/s (%s)" % (rate, line))
-    assert rate and rate > 300  # a floor against stalls; the figure itself is machine-bound
+    # A floor against stalls; the figure itself is machine-bound. Under valgrind the probe
+    # is bound by its own CPU (2.8-3.1 ms an item here, 291-356 items/s), so the floor
+    # there is a third of the normal one (CI at 41916de failed at 291 against 300).
+    assert rate and rate > (100 if VALGRIND else 300)
 
 
 ERROR_FAULTS = ["throttle", "500", "503", "credentials", "expired_token"]
