@@ -2,7 +2,6 @@
  * transaction per loop turn, message records journaled per turn and folded into segments
  * per conversation, and conversations rebuilt from them. */
 #include "store.h"
-#include "walvfs.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -26,6 +25,7 @@
 #include "monoclock.h"
 #include "msgrec.h"
 #include "siphash.h"
+#include "walvfs.h"
 
 #define STORE_FILE "convod.db"
 /* 2: the journal table; 3: batches and segments instead of the messages table; 4: packed
