@@ -126,6 +126,8 @@ static bool prom_is_counter(const char *name)
 	    "convod_store_fold_records",
 	    "convod_store_fold_ns",
 	    "convod_store_checkpoints",
+	    "convod_store_catch_ups",
+	    "convod_store_bound_waits",
 	    "convod_store_checkpoint_ns",
 	};
 	for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++)

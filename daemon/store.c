@@ -251,8 +251,10 @@ struct checkpointer {
 	bool running;      /* a checkpoint runs: the thread's, or the writer's own */
 	int last_rc;       /* SQLite code of the last checkpoint */
 	int reported_rc;   /* what wal_hook last logged */
-	uint64_t runs;     /* checkpoints done (the thread's and the writer's own) */
-	uint64_t ns;       /* time in them */
+	uint64_t runs;     /* checkpoints done: the thread's rounds, catch-ups, bound waits */
+	uint64_t catch_ups;   /* of them, checkpoint_catch_up's */
+	uint64_t bound_waits; /* and checkpoint_after_round's (the WAL at its hard bound) */
+	uint64_t ns;          /* time in them */
 	const char *path;  /* the store's */
 	enum durability durability;
 	/* The thread's last round left little behind: the next commit copies it, so that the
@@ -709,6 +711,26 @@ static int sync_database(sqlite3 *db)
 	return f->pMethods->xSync(f, SQLITE_SYNC_NORMAL);
 }
 
+enum checkpoint_kind { CHECKPOINT_ROUND, CHECKPOINT_CATCH_UP, CHECKPOINT_BOUND };
+
+/* A checkpoint of kind took ns and returned rc: counted, and whoever waits for the
+ * checkpointer to be free is woken (ck->mu held). */
+static void checkpoint_ended(struct checkpointer *ck, enum checkpoint_kind kind, uint64_t ns,
+                             int rc)
+{
+	ck->running = false;
+	ck->runs++;
+	ck->catch_ups += kind == CHECKPOINT_CATCH_UP;
+	ck->bound_waits += kind == CHECKPOINT_BOUND;
+	ck->ns += ns;
+	/* SQLITE_BUSY from a round or a catch-up: the WAL was being started over at that
+	 * moment; the next one copies what this one could not. Not a failure to report. At the
+	 * bound, with no commit in between, it is one. */
+	if (rc != SQLITE_BUSY || kind == CHECKPOINT_BOUND)
+		ck->last_rc = rc;
+	pthread_cond_broadcast(&ck->cv); /* a writer waiting to checkpoint itself */
+}
+
 static void *checkpointer_main(void *arg)
 {
 	struct checkpointer *ck = arg;
@@ -760,14 +782,7 @@ static void *checkpointer_main(void *arg)
 			atomic_store_explicit(&ck->catch_up, true, memory_order_relaxed);
 			ck->wanted = false;
 		}
-		ck->ns += t0;
-		ck->running = false;
-		/* SQLITE_BUSY: the WAL was being started over at that moment; the next round
-		 * copies what this one could not. Not a failure to report. */
-		if (rc != SQLITE_BUSY)
-			ck->last_rc = rc;
-		pthread_cond_broadcast(&ck->cv); /* a loop waiting to checkpoint itself */
-		ck->runs++;
+		checkpoint_ended(ck, CHECKPOINT_ROUND, t0, rc);
 	}
 	pthread_mutex_unlock(&ck->mu);
 	sqlite3_close(db);
@@ -812,12 +827,7 @@ static void checkpoint_catch_up(struct checkpointer *ck, sqlite3 *db)
 	rc = sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL);
 	t0 = mono_ns() - t0;
 	pthread_mutex_lock(&ck->mu);
-	ck->running = false;
-	ck->runs++;
-	ck->ns += t0;
-	if (rc != SQLITE_BUSY)
-		ck->last_rc = rc;
-	pthread_cond_broadcast(&ck->cv);
+	checkpoint_ended(ck, CHECKPOINT_CATCH_UP, t0, rc);
 	pthread_mutex_unlock(&ck->mu);
 }
 
@@ -845,11 +855,7 @@ static int checkpoint_after_round(struct checkpointer *ck, sqlite3 *db, const ch
 	if (conn_lock)
 		pthread_mutex_unlock(conn_lock);
 	pthread_mutex_lock(&ck->mu);
-	ck->running = false;
-	ck->runs++;
-	ck->ns += t0;
-	ck->last_rc = rc;
-	pthread_cond_broadcast(&ck->cv);
+	checkpoint_ended(ck, CHECKPOINT_BOUND, t0, rc);
 	pthread_mutex_unlock(&ck->mu);
 	return rc;
 }
@@ -965,6 +971,8 @@ void store_stats(struct store *s, struct store_stats *o)
 	if (s->ck.started) {
 		pthread_mutex_lock(&s->ck.mu);
 		o->checkpoints = s->ck.runs;
+		o->catch_ups = s->ck.catch_ups;
+		o->bound_waits = s->ck.bound_waits;
 		o->checkpoint_ns = s->ck.ns;
 		pthread_mutex_unlock(&s->ck.mu);
 	}

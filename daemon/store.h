@@ -102,6 +102,9 @@ struct store_stats {
 	                          * count in commit_ns) */
 	uint64_t dead_batches;   /* journal rows whose records are all folded, not deleted yet */
 	uint64_t checkpoints;    /* as store_checkpoints */
+	uint64_t catch_ups;      /* of them, a commit's copy of what the thread's last round
+	                          * left behind, so that the WAL starts over */
+	uint64_t bound_waits;    /* and the writer's own, holding commits, at the WAL's bound */
 	uint64_t checkpoint_ns;  /* time in them */
 	uint64_t wal_pages;      /* pages in the WAL after the last commit */
 	uint64_t db_bytes;       /* size of the database file and of its WAL now */

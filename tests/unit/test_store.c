@@ -1830,9 +1830,9 @@ static void test_dead_count(void)
 /* Commits n 8 kB messages to a new store of durability `machine` in dir tag, one a
  * commit, with the WAL sizes set (store_set_wal_pages); checks that the conversation reads
  * back whole. Returns the WAL file's size at the end (its high-water mark), or -1, and the
- * checkpoints run meanwhile in *rounds. */
+ * store's stats at the end in *out (its checkpoints were 0 at the start). */
 static long long commit_big(const char *tag, int machine, int n, int checkpoint, int hard,
-                            int catch_up, uint64_t *rounds)
+                            int catch_up, struct store_stats *out)
 {
 	static char text[8000];
 	struct convo_env env;
@@ -1850,7 +1850,8 @@ static long long commit_big(const char *tag, int machine, int n, int checkpoint,
 	if (!s)
 		return -1;
 	store_set_wal_pages(s, checkpoint, hard, catch_up);
-	*rounds = store_checkpoints(s);
+	/* A new store: opening it ran no checkpoint. */
+	CHECK(store_checkpoints(s) == 0);
 	c = convo_new("w", 1);
 	for (int i = 0; c && i < n; i++) {
 		uint64_t seq;
@@ -1859,12 +1860,13 @@ static long long commit_big(const char *tag, int machine, int n, int checkpoint,
 		CHECK(store_submit(s, &seq) == 0);
 		CHECK(store_sync(s) == 0);
 	}
-	*rounds = store_checkpoints(s) - *rounds;
+	store_stats(s, out);
 	snprintf(wal, sizeof(wal), "%s/convod.db-wal", dir);
 	CHECK(stat(wal, &st) == 0);
 	size = (long long)st.st_size;
-	printf("%s: %" PRIu64 " checkpoints, the WAL file ended at %lld bytes\n", tag, *rounds,
-	       size);
+	printf("%s: %" PRIu64 " checkpoints (%" PRIu64 " catch-ups, %" PRIu64
+	       " at the bound), the WAL file ended at %lld bytes\n",
+	       tag, out->checkpoints, out->catch_ups, out->bound_waits, size);
 	CHECK(store_load_conversation(s, "w", 1, &l) == 0);
 	CHECK_SAME(c, l);
 	convo_free(l);
@@ -1881,12 +1883,15 @@ static long long commit_big(const char *tag, int machine, int n, int checkpoint,
  * 1,800 pages, in a WAL bounded at 50. */
 static void test_wal_bound(void)
 {
-	uint64_t rounds;
+	struct store_stats st;
 
 	/* At machine the commit that crossed it checkpoints: 50 pages and that commit. At
-	 * process the loop may commit a few more before the writer takes over. */
-	CHECK(commit_big("wal-bound-process", 0, 600, 50, 50, 0, &rounds) < 500LL * (4096 + 24));
-	CHECK(commit_big("wal-bound-machine", 1, 600, 50, 50, 0, &rounds) < 60LL * (4096 + 24));
+	 * process the loop may commit a few more before the writer takes over. Every
+	 * checkpoint is a wait at the bound: the thread is never asked, so nothing catches up. */
+	CHECK(commit_big("wal-bound-process", 0, 600, 50, 50, 0, &st) < 500LL * (4096 + 24));
+	CHECK(st.bound_waits > 0 && st.bound_waits == st.checkpoints && st.catch_ups == 0);
+	CHECK(commit_big("wal-bound-machine", 1, 600, 50, 50, 0, &st) < 60LL * (4096 + 24));
+	CHECK(st.bound_waits > 0 && st.bound_waits == st.checkpoints && st.catch_ups == 0);
 }
 
 /* Continuous commits with the WAL past its checkpoint size and the hard bound out of reach:
@@ -1898,10 +1903,11 @@ static void test_wal_bound(void)
 static void test_wal_catch_up(void)
 {
 	for (int machine = 0; machine < 2; machine++) {
-		uint64_t rounds = 0;
+		struct store_stats st;
 		long long size = commit_big(machine ? "catch-up-machine" : "catch-up-process",
-		                            machine, 1500, 100, 1000000, 1000000, &rounds);
-		CHECK(rounds > 0);
+		                            machine, 1500, 100, 1000000, 1000000, &st);
+		/* Rounds of the thread, each followed by a catch-up; the bound out of reach. */
+		CHECK(st.catch_ups > 0 && st.checkpoints > st.catch_ups && st.bound_waits == 0);
 		/* 100 pages, what came in during the last round, and a commit. */
 		CHECK(size >= 0 && size < 3000LL * (4096 + 24));
 	}
