@@ -123,7 +123,17 @@ static int f_reserved(sqlite3_file *f, int *out)
 static int f_control(sqlite3_file *f, int op, void *arg)
 {
 	int rc = gather_flush((struct wfile *)f);
-	return rc != SQLITE_OK ? rc : RM(f)->xFileControl(REAL(f), op, arg);
+
+	if (rc != SQLITE_OK)
+		return rc;
+	rc = RM(f)->xFileControl(REAL(f), op, arg);
+	if (op == SQLITE_FCNTL_VFSNAME && rc == SQLITE_OK) {
+		/* As SQLite asks of a shim: its name, then "/" and what is below. */
+		char **name = arg, *below = *name;
+		*name = sqlite3_mprintf("%s/%s", WALVFS_NAME, below ? below : "");
+		sqlite3_free(below);
+	}
+	return rc;
 }
 
 static int f_sector(sqlite3_file *f)

@@ -322,6 +322,29 @@ static void test_write_fails(void)
 	CHECK(sqlite3_close(db) == SQLITE_OK);
 }
 
+/* The files name the VFS stack: "convod-wal/unix" (SQLITE_FCNTL_VFSNAME, which the CLI's
+ * .vfsname shows); the default VFS's files name only theirs. */
+static void test_vfs_name(void)
+{
+	char *name = NULL, *plain = NULL;
+	sqlite3 *db = open_db("name", WALVFS_NAME), *db2 = open_db("name2", NULL);
+
+	CHECK(db && db2);
+	if (db && db2) {
+		const char *below = sqlite3_vfs_find(NULL)->zName;
+		char want[64];
+		snprintf(want, sizeof(want), "%s/%s", WALVFS_NAME, below);
+		CHECK(sqlite3_file_control(db, "main", SQLITE_FCNTL_VFSNAME, &name) == SQLITE_OK);
+		CHECK(name && strcmp(name, want) == 0);
+		CHECK(sqlite3_file_control(db2, "main", SQLITE_FCNTL_VFSNAME, &plain) == SQLITE_OK);
+		CHECK(plain && strcmp(plain, below) == 0);
+	}
+	sqlite3_free(name);
+	sqlite3_free(plain);
+	sqlite3_close(db);
+	sqlite3_close(db2);
+}
+
 static void remove_tree(void)
 {
 	char cmd[256];
@@ -347,6 +370,7 @@ int main(void)
 	test_big_and_rolled_back();
 	test_no_memory();
 	test_write_fails();
+	test_vfs_name();
 	remove_tree();
 	return test_done("walvfs");
 }
