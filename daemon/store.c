@@ -2469,13 +2469,16 @@ static int64_t key_version(struct store *s, enum stmt_id id, const char *conv, s
 }
 
 /* The message of record r (packed or JSON), with its version and update time; seen[] is
- * 0. The record's sort key must be the message's. */
+ * 0. The record's sort key must be the message's. -EIO for a damaged record (logged);
+ * -ENOMEM, not logged, when there was no memory to decode it (the decoders' ERR_INTERNAL,
+ * jansson's out of memory): the row is sound. */
 static int record_decode(struct store *s, const char *conv, size_t conv_len,
                          const struct msgrec *r, struct message **out)
 {
 	char key[MESSAGE_SK_MAX + 1];
 	struct message *m = NULL;
 	struct error e;
+	enum error_code code;
 	json_error_t je;
 	json_t *map = NULL;
 	int rc = 0;
@@ -2492,17 +2495,23 @@ static int record_decode(struct store *s, const char *conv, size_t conv_len,
 			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, "bad sort key");
 			goto out;
 		}
-		if (message_unpack(r->map, r->map_len, id, r->version, &m, &e) != ERR_OK) {
-			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
+		if ((code = message_unpack(r->map, r->map_len, id, r->version, &m, &e)) != ERR_OK) {
+			rc = code == ERR_INTERNAL
+			         ? -ENOMEM
+			         : bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
 			goto out;
 		}
 	} else {
 		if (!(map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je))) {
-			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, je.text);
+			rc = json_error_code(&je) == json_error_out_of_memory
+			         ? -ENOMEM
+			         : bad_row(s, conv, conv_len, r->sk, r->sk_len, je.text);
 			goto out;
 		}
-		if (message_from_map(map, r->version, &m, &e) != ERR_OK) {
-			rc = bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
+		if ((code = message_from_map(map, r->version, &m, &e)) != ERR_OK) {
+			rc = code == ERR_INTERNAL
+			         ? -ENOMEM
+			         : bad_row(s, conv, conv_len, r->sk, r->sk_len, e.message);
 			goto out;
 		}
 	}

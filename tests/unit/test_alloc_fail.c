@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "buf.h"
 #include "config.h"
@@ -19,6 +20,7 @@
 #include "log.h"
 #include "message.h"
 #include "ops.h"
+#include "store.h"
 #include "test.h"
 
 /* --- the allocator --------------------------------------------------------------------- */
@@ -500,6 +502,103 @@ static void run(unsigned long fail_at, char **expected, struct outcome *o)
 	CHECK(A.live == live_before);
 }
 
+/* --- loading a conversation from the store ---------------------------------------------- */
+
+/* The whole conversation as one line, for comparing. Caller frees. */
+static char *convo_text(const struct convo *c)
+{
+	json_t *a = json_array();
+	char *out;
+
+	for (size_t i = 0; a && i < c->nlog; i++)
+		json_array_append_new(a, message_to_map(c->log[i]));
+	out = a ? json_dumps(a, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+	json_decref(a);
+	return out;
+}
+
+/* A conversation of four messages, in a store closed and opened again (so that they come
+ * back from its segments), is loaded with each allocation of lib/ and daemon/ refused in
+ * turn: each load gives the conversation whole or -ENOMEM, never -EIO (which says a row
+ * is damaged: the store used to say that of a message it had no memory to decode), and
+ * leaves nothing allocated. SQLite's own allocations are not refused here. */
+static void store_load_refused(void)
+{
+	static const char *const ids[] = {
+	    "01JRZJ166HZFPP405DV1QQB2X1", "01JRZJ166HZFPP405DV1QQB2X2",
+	    "01JRZJ166HZFPP405DV1QQB2X3", "01JRZJ166HZFPP405DV1QQB2X4"};
+	char dir[] = "/tmp/test_alloc_fail.XXXXXX", err[256], path[64];
+	struct store *s = NULL;
+	struct convo *c = convo_new("c1", 2), *back = NULL;
+	char *want = NULL;
+	unsigned long n, refused = 0;
+
+	CHECK(c && mkdtemp(dir) != NULL);
+	for (size_t i = 0; c && i < 4; i++) {
+		struct message *m = message_new_text(ids[i], i % 2 ? ROLE_ASSISTANT : ROLE_USER,
+		                                     1000 + (int64_t)i, "some text", 9);
+		CHECK(m != NULL);
+		if (m) {
+			m->version = 1;
+			if (i == 3)
+				CHECK(message_set_timing(m, TIMING_PLAY_START, 2000) == 0);
+			CHECK(convo_restore_append(c, m) == 0);
+		}
+	}
+	CHECK(c && convo_restore_finish(c, &(struct error){0}) == ERR_OK);
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s || !c)
+		goto out;
+	CHECK(store_begin(s) == 0 && store_put_conversation(s, c) == 0);
+	for (size_t i = 0; i < c->nlog; i++)
+		CHECK(store_put_message(s, "c1", 2, c->log[i]) == 0);
+	CHECK(store_commit(s) == 0);
+	store_close(s);
+	s = NULL;
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		goto out;
+	want = convo_text(c);
+	CHECK(want != NULL);
+	for (n = 1; want; n++) {
+		long live = A.live;
+		char *got;
+		int rc;
+
+		A.calls = 0;
+		A.fail_at = n;
+		A.failed = false;
+		A.armed = true;
+		rc = store_load_conversation(s, "c1", 2, &back);
+		A.armed = false;
+		if (rc == 0) {
+			got = convo_text(back);
+			CHECK(got && strcmp(got, want) == 0);
+			free(got);
+			convo_free(back);
+		} else {
+			if (rc != -ENOMEM)
+				fprintf(stderr, "store load, allocation %lu refused: %s\n", n,
+				        strerror(-rc));
+			CHECK(rc == -ENOMEM && back == NULL);
+			refused++;
+		}
+		CHECK(A.live == live);
+		if (!A.failed)
+			break;
+	}
+	fprintf(stderr, "alloc_fail: a store load of 4 messages, %lu allocations refused in turn\n",
+	        refused);
+	CHECK(refused > 5);
+out:
+	free(want);
+	store_close(s);
+	convo_free(c);
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	unlink(path);
+	rmdir(dir);
+}
+
 /* --- restoring a message --------------------------------------------------------------- */
 
 /* A message comes back from the store's packed form (message_unpack) and from a DynamoDB
@@ -616,6 +715,7 @@ int main(void)
 			        script[i].line ? script[i].line : "(built from the conversation)");
 	CHECK(n > total);
 	restore_refused();
+	store_load_refused();
 	for (size_t i = 0; i < NSTEPS; i++)
 		(free)(expected[i]);
 	return test_done("alloc_fail");
