@@ -527,12 +527,15 @@ static void store_load_refused(void)
 	static const char *const ids[] = {
 	    "01JRZJ166HZFPP405DV1QQB2X1", "01JRZJ166HZFPP405DV1QQB2X2",
 	    "01JRZJ166HZFPP405DV1QQB2X3", "01JRZJ166HZFPP405DV1QQB2X4"};
-	char dir[] = "/tmp/test_alloc_fail.XXXXXX", err[256], path[64];
+	const char *tmp = getenv("TMPDIR");
+	char dir[256], err[256], path[300];
 	struct store *s = NULL;
 	struct convo *c = convo_new("c1", 2), *back = NULL;
 	char *want = NULL;
 	unsigned long n, refused = 0;
 
+	/* Where the other tests put their files. */
+	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
 	CHECK(c && mkdtemp(dir) != NULL);
 	for (size_t i = 0; c && i < 4; i++) {
 		struct message *m = message_new_text(ids[i], i % 2 ? ROLE_ASSISTANT : ROLE_USER,
