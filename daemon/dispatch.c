@@ -1222,6 +1222,10 @@ static enum find_result find_convo(struct dispatch *d, enum op op, const char *c
 			}
 			if (sink_has_pending(c))
 				mark_sink_dirty(d, c);
+		} else if (rc == -ENOMEM) {
+			/* As everywhere else on the request path: the store is not at fault. */
+			error_set(err, ERR_INTERNAL, "out of memory");
+			return FIND_FAIL;
 		} else if (rc != -ENOENT) {
 			error_set(err, ERR_UNAVAILABLE,
 			          "conversation: cannot be read from the local store; retry later");
