@@ -554,16 +554,43 @@ void server_progress(struct server *s)
 	server_turn(s);
 }
 
+static void on_one_more_poll(uv_idle_t *h)
+{
+	(void)h;
+}
+
+/* A turn with something to commit first polls once more, without blocking: the requests
+ * that arrived while it was served join the commit (33 requests a commit instead of 28 at
+ * 50 connections). In paired runs, 50 connections without pipelining, process: p99.9
+ * 9.8-15.4 -> 5.4-9.1 ms in all 8 pairs (6 of 5 s, 2 of 20 s), p99 1.91 -> 1.80 ms and
+ * req/s 79k -> 81k (means of the 5 s runs, within the noise); machine, 4 pairs: req/s
+ * +4%, p99 4.2 -> 3.8 ms. At one connection the extra poll is lost in the noise (p50
+ * 46-70 us either way). */
 static void on_turn(uv_check_t *h)
 {
-	server_turn(h->data);
+	struct server *s = h->data;
+
+	if (!s->deferred && !s->stopping && dispatch_pending_commit(s->dispatch)) {
+		s->deferred = true;
+		uv_idle_start(&s->one_more_poll, on_one_more_poll);
+		return;
+	}
+	if (s->deferred) {
+		s->deferred = false;
+		uv_idle_stop(&s->one_more_poll);
+	}
+	server_turn(s);
 }
 
 /* Answers made in the pending or timer phase (a write completing un-pauses a connection)
- * must not wait in the out buffer while the loop blocks in poll. */
+ * must not wait in the out buffer while the loop blocks in poll. A deferred turn waits for
+ * its poll, which does not block. */
 static void on_before_poll(uv_prepare_t *h)
 {
-	server_turn(h->data);
+	struct server *s = h->data;
+
+	if (!s->deferred)
+		server_turn(s);
 }
 
 static void refuse(struct server *s, struct conn *c)
@@ -948,6 +975,8 @@ int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
 	uv_prepare_init(loop, &s->turn_before_poll);
 	s->turn_before_poll.data = s;
 	uv_prepare_start(&s->turn_before_poll, on_before_poll);
+	uv_idle_init(loop, &s->one_more_poll);
+	s->one_more_poll.data = s;
 	uv_timer_init(loop, &s->deadline);
 	s->deadline.data = s;
 	if (cfg->nallow_uids > 0 || cfg->nallow_gids > 0)
@@ -968,9 +997,10 @@ static void server_maybe_stopped(struct server *s)
 {
 	if (s->nconns > 0 || !s->stopping || uv_is_closing((uv_handle_t *)&s->deadline))
 		return;
-	s->handles_open = 3;
+	s->handles_open = 4;
 	uv_close((uv_handle_t *)&s->turn, on_handle_closed);
 	uv_close((uv_handle_t *)&s->turn_before_poll, on_handle_closed);
+	uv_close((uv_handle_t *)&s->one_more_poll, on_handle_closed);
 	uv_close((uv_handle_t *)&s->deadline, on_handle_closed);
 }
 
