@@ -32,7 +32,8 @@
 # -n) and the load generator's (the shell's children, from `times`). Both include warmup
 # and calibration; kernel threads' work for a server's I/O counts for neither side. Unlike
 # req/s, these hardly move with what else the 2 cores run, so they show where a ratio comes
-# from: the server's cost, or the generator's. json-baseline counts no requests: "-".
+# from: the server's cost, or the generator's. json-baseline tells its requests only in the
+# line it logs as it exits: its row is written after it stopped (baseline_cpu_row).
 #
 # usage: tests/bench/run-redis.sh [options] [BUILD]     (BUILD defaults to "build")
 #   --duration SEC     measured seconds per run (DURATION, 5)
@@ -56,6 +57,7 @@ build=
 quick=0
 require_redis=0
 use_redis=1
+deferred= # the json-baseline run's CPU row, waiting for its request count
 strict=0
 while [ $# -gt 0 ]; do
 	case $1 in
@@ -195,7 +197,13 @@ bench_run() {
 		--conversations "$CONVERSATIONS" --pipeline "$2" --duration "$DURATION" \
 		--warmup "$WARMUP" --message-bytes "$MESSAGE_BYTES" $BENCH_ARGS \
 		>"$dir/out.json" 2>"$dir/bench.err" || rc=$?
-	cpu_row "$key" "$ticks0" "$served0" "$(served)"
+	if [ "$server_name" != json-baseline ]; then
+		cpu_row "$key" "$ticks0" "$served0" "$(served)"
+	else
+		# json-baseline: the figures now, the requests once it exits (baseline_cpu_row)
+		deferred="$key $ticks0 $(cpu_ticks "$server_pid")"
+		times >"$dir/times1"
+	fi
 	if [ $rc -ne 0 ]; then
 		status=1
 		sed 's/^/  /' "$dir/bench.err" >&2
@@ -212,7 +220,7 @@ bench_run() {
 }
 
 # served: the requests the convod under test has answered (its stats), or nothing for
-# another server (json-baseline counts none)
+# another server
 served() {
 	case $server_name in
 	convod*)
@@ -236,6 +244,23 @@ cpu_row() {
 		[ -n "$gen1" ]; then
 		printf '%s\tcpu\t%s,%s,%s - %s\n' "$1" "$((ticks1 - $2))" "$(($4 - $3))" "$gen1" \
 			"$gen0" >>"$dir/results"
+	fi
+}
+
+# baseline_cpu_row: the CPU row of the json-baseline run bench_run deferred, with the requests
+# the stopped server logged ("json-baseline: N requests on M connections"); it started fresh
+# for that run, so they are all the run's, warmup included.
+baseline_cpu_row() {
+	# shellcheck disable=SC2086
+	set -- $deferred
+	deferred=
+	n=$(sed -n 's/^json-baseline: \([0-9]*\) requests on .*/\1/p' "$server_log" | tail -n 1)
+	gen1=$(children_cpu "$dir/times1")
+	gen0=$(children_cpu "$dir/times0")
+	if [ $# -eq 3 ] && [ -n "$3" ] && [ -n "$n" ] && [ "$n" -gt 0 ] && [ -n "$gen0" ] &&
+		[ -n "$gen1" ]; then
+		printf '%s\tcpu\t%s,%s,%s - %s\n' "$1" "$(($3 - $2))" "$n" "$gen1" "$gen0" \
+			>>"$dir/results"
 	fi
 }
 
@@ -324,6 +349,7 @@ while [ $round -lt "$ROUNDS" ]; do
 	start_baseline
 	bench_run b.baseline#$round "$PIPELINE"
 	stop_server
+	baseline_cpu_row
 	if [ $use_redis = 1 ]; then
 		start_redis b --appendonly no
 		redis_run b.redis#$round "$PIPELINE"
