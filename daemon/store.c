@@ -1651,7 +1651,11 @@ static int write_jobs(struct store *s, struct job *jobs)
 	if (!rc)
 		rc = delete_dead(s, STORE_DEAD_PER_JOB * njobs);
 	/* The fold runs while the writer has nothing to write (fold_idle); in a commit only
-	 * once it fell far behind. */
+	 * once it fell far behind. At durability process under load that is where it runs: the
+	 * loop writes every commit itself (store_submit) and nothing wakes the sleeping
+	 * writer. Waking it to fold took 1.1 us a request off the loop, but in 20 s paired runs
+	 * at 50 connections gained no req/s (79-82k either way) and cost p99 (1.8-1.9 ->
+	 * 2.1-2.4 ms): the commits the loop hands over while the writer folds wait for it. */
 	if (!rc && s->cur.nentries + s->next.nentries >= STORE_FOLD_BEHIND(s))
 		rc = fold_step(s, recs > STORE_FOLD_STEP_MIN ? recs : STORE_FOLD_STEP_MIN, false,
 		               false);
