@@ -20,8 +20,7 @@ struct server {
 	uv_pipe_t listener;
 	uv_check_t turn;               /* end of a loop turn: commit, then write */
 	uv_prepare_t turn_before_poll; /* same, for answers made outside the poll phase */
-	uv_idle_t one_more_poll;       /* a deferred commit: the next poll does not block */
-	bool deferred;                 /* this turn's commit waits for one more poll */
+	uv_idle_t one_more_poll;       /* active: a turn's commit waits for one more poll */
 	uv_timer_t deadline;           /* bounds a graceful stop */
 	struct conn *conns;            /* every open connection */
 	struct conn *dirty;            /* connections with answers of this turn */
