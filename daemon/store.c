@@ -24,6 +24,7 @@
 #include "log.h"
 #include "monoclock.h"
 #include "msgrec.h"
+#include "pagecache.h"
 #include "siphash.h"
 #include "walvfs.h"
 
@@ -2063,6 +2064,10 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		s->hash_key[1] = (uint64_t)time(NULL);
 	}
 
+	/* Before anything starts SQLite up (walvfs_register does): commits that rebalance a
+	 * B-tree no longer scan the whole page cache as they end. Where something else started
+	 * SQLite first, its own cache stays: slower, not wrong. */
+	pagecache_install();
 	/* The loop's commits write their WAL frames through walvfs, one write each. */
 	if ((rc = walvfs_register()) < 0) {
 		set_errbuf(errbuf, errlen, "store: cannot register its SQLite VFS: %s",

@@ -3,6 +3,7 @@
 #ifndef CONVO_TEST_H
 #define CONVO_TEST_H
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,17 @@ static int test_checks;
 				check_b_ ? check_b_ : "(null)");                           \
 		}                                                                          \
 	} while (0)
+
+/* xorshift64, for varied but repeatable input: *state is the generator (never 0). */
+static inline uint64_t test_rand(uint64_t *state)
+{
+	uint64_t x = *state;
+
+	x ^= x << 13;
+	x ^= x >> 7;
+	x ^= x << 17;
+	return *state = x;
+}
 
 /* capture_begin sends fd 2 to a temporary file; capture_end restores it and returns what
  * was written (the caller frees it). For checking what the code under test logs. */
