@@ -86,6 +86,12 @@
  * the writer has nothing to write. A batch of 25 records takes about 8 us to delete. */
 #define STORE_DEAD_PER_JOB 3
 #define STORE_DEAD_IDLE_STEP 32
+/* How long after a commit at durability machine the writer may wait for the requests its
+ * answers released (cohort_wait). 50 connections, adds only, 8 s runs: 44.0k req/s, 21
+ * records a commit, p99 3.5 ms without; 200 us: 46.1k; 400 us: 45.5-51.8k, 37-43 records a
+ * commit, p99 2.5-2.9 ms, 15-17 us of CPU a request instead of 18. At 4 connections 6.5k ->
+ * 9.5k req/s, p99 1.4 -> 0.75 ms. A commit there takes about 470 us. */
+#define STORE_COHORT_WAIT_NS 400000u
 /* At durability process the loop writes a commit itself (no thread wake-up either way)
  * when the writer has nothing under way and the commit is at most this many records; a
  * bigger one means a busy loop, which is better off handing it over. */
@@ -320,6 +326,12 @@ struct store {
 	struct job *queue, *queue_tail;
 	_Atomic bool jobs_waiting; /* the queue is not empty: the fold's idle step ends early */
 	bool stop;
+	size_t queued_records; /* message records of the queued jobs */
+	/* The last commit the writer wrote: its records, the records queued when it ended,
+	 * and when (cohort_wait); whether the wait after it fell short. */
+	size_t cohort_records, cohort_queued;
+	uint64_t cohort_end_ns;
+	bool cohort_missed;
 	uint64_t submitted;    /* seq of the last job queued */
 	uint64_t committed;    /* the highest seq written, in order */
 	bool failed;           /* a write failed, not yet acknowledged by store_failure_ack */
@@ -1810,6 +1822,41 @@ static bool fold_idle(struct store *s, bool all)
 	return more;
 }
 
+/* At durability machine a commit is mostly its sync, and the requests its answers release
+ * come back while the next commit syncs: left alone, 50 connections settle into two cohorts
+ * of about 21 records a commit. After a commit of several records the writer waits a
+ * little, until three quarters as many records as it released are queued beyond those
+ * already waiting, so that one commit carries most of both cohorts. It waits at most
+ * STORE_COHORT_WAIT_NS after that commit ended, not while a thread waits for a job of its
+ * own (job_run_sync) or a special job is queued, and not right after a wait that fell short
+ * (the clients it released did not come back in time). */
+static void cohort_wait(struct store *s)
+{
+	struct timespec dl;
+	uint64_t end;
+	size_t want;
+
+	if (s->durability != DURABILITY_MACHINE || s->cohort_records < 2)
+		return;
+	if (s->cohort_missed) {
+		s->cohort_missed = false;
+		return;
+	}
+	want = s->cohort_queued + s->cohort_records * 3 / 4;
+	end = s->cohort_end_ns + STORE_COHORT_WAIT_NS;
+	dl.tv_sec = (time_t)(end / 1000000000u);
+	dl.tv_nsec = (long)(end % 1000000000u);
+	while (s->queued_records < want && !s->stop && !s->wal_full && !s->idle_wanted) {
+		for (struct job *j = s->queue; j; j = j->next)
+			if (j->sync || j->kind != JOB_WRITE)
+				return;
+		if (pthread_cond_timedwait(&s->qcv, &s->qmu, &dl) == ETIMEDOUT) {
+			s->cohort_missed = s->queued_records < want;
+			return;
+		}
+	}
+}
+
 static void *writer_main(void *arg)
 {
 	struct store *s = arg;
@@ -1846,6 +1893,7 @@ static void *writer_main(void *arg)
 		fold = true;
 		if (!s->queue)
 			break;
+		cohort_wait(s);
 		/* The writes queued now, up to the first special job; or that job alone. */
 		jobs = s->queue;
 		if (jobs->kind != JOB_WRITE) {
@@ -1862,6 +1910,8 @@ static void *writer_main(void *arg)
 			s->queue_tail = NULL;
 			atomic_store_explicit(&s->jobs_waiting, false, memory_order_relaxed);
 		}
+		for (j = jobs; j; j = j->next)
+			s->queued_records -= j->nrecs;
 		/* Jobs submitted before a failure was acknowledged are void: the loop has put
 		 * memory back as the store holds it. */
 		for (j = jobs; j; j = next) {
@@ -1890,6 +1940,13 @@ static void *writer_main(void *arg)
 		if (rc && keep && keep->kind == JOB_WRITE) {
 			s->failed = true;
 			s->fail_error = rc;
+		}
+		if (!rc && keep && keep->kind == JOB_WRITE) {
+			s->cohort_records = 0;
+			for (j = keep; j; j = j->next)
+				s->cohort_records += j->nrecs;
+			s->cohort_queued = s->queued_records;
+			s->cohort_end_ns = mono_ns();
 		}
 		for (j = keep; j; j = next) {
 			next = j->next;
@@ -1923,7 +1980,12 @@ static int locks_init(struct store *s)
 		pthread_mutex_destroy(&s->qmu);
 		return -rc;
 	}
-	if ((rc = pthread_cond_init(&s->qcv, NULL)) != 0) {
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	rc = pthread_cond_init(&s->qcv, &ca);
+	pthread_condattr_destroy(&ca);
+	if (rc != 0) {
 		pthread_mutex_destroy(&s->dbmu);
 		pthread_mutex_destroy(&s->qmu);
 		return -rc;
@@ -1962,6 +2024,7 @@ static uint64_t job_queue(struct store *s, struct job *j)
 
 	pthread_mutex_lock(&s->qmu);
 	j->seq = seq = ++s->submitted;
+	s->queued_records += j->nrecs;
 	if (s->queue_tail)
 		s->queue_tail->next = j;
 	else
