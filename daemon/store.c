@@ -1910,13 +1910,12 @@ static void *writer_main(void *arg)
 			s->queue_tail = NULL;
 			atomic_store_explicit(&s->jobs_waiting, false, memory_order_relaxed);
 		}
-		for (j = jobs; j; j = j->next)
-			s->queued_records -= j->nrecs;
 		/* Jobs submitted before a failure was acknowledged are void: the loop has put
 		 * memory back as the store holds it. */
 		for (j = jobs; j; j = next) {
 			next = j->next;
 			j->next = NULL;
+			s->queued_records -= j->nrecs;
 			if (s->failed || j->seq <= s->void_through) {
 				j->rc = -ECANCELED;
 				j->done = true;
@@ -1943,14 +1942,14 @@ static void *writer_main(void *arg)
 		}
 		if (!rc && keep && keep->kind == JOB_WRITE) {
 			s->cohort_records = 0;
-			for (j = keep; j; j = j->next)
-				s->cohort_records += j->nrecs;
 			s->cohort_queued = s->queued_records;
 			s->cohort_end_ns = mono_ns();
 		}
 		for (j = keep; j; j = next) {
 			next = j->next;
 			j->next = NULL;
+			if (!rc && j->kind == JOB_WRITE)
+				s->cohort_records += j->nrecs;
 			if (!rc && j->seq > s->committed)
 				s->committed = j->seq;
 			j->rc = rc;
