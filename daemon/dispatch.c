@@ -649,7 +649,7 @@ static int spool_one(void *arg, const char *conv, size_t conv_len, const char *s
 static json_t *store_stats_json(struct dispatch *d)
 {
 	struct store_stats st;
-	json_t *fold, *res;
+	json_t *fold, *cohort, *res;
 
 	if (!d->store)
 		return json_null();
@@ -660,19 +660,26 @@ static json_t *store_stats_json(struct dispatch *d)
 	              (json_int_t)st.fold_ns, "dead_batches", (json_int_t)st.dead_batches);
 	if (!fold)
 		return NULL;
+	cohort = json_pack("{s:I, s:I, s:I}", "waits", (json_int_t)st.cohort_waits, "short",
+	                   (json_int_t)st.cohort_short, "ns", (json_int_t)st.cohort_ns);
+	if (!cohort) {
+		json_decref(fold);
+		return NULL;
+	}
 	/* O, not o: whether a failed json_pack frees what o hands it depends on the version. */
-	res =
-	    json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O, s:I, s:I, s:I, s:I, s:I, s:I, "
-	              "s:I}",
-	              "durability", store_durability_str(d->cfg->durability), "commits",
-	              (json_int_t)st.commits, "turns", (json_int_t)st.turns, "inline_commits",
-	              (json_int_t)st.inline_commits, "records", (json_int_t)st.records, "commit_ns",
-	              (json_int_t)st.commit_ns, "commit_max_ns", (json_int_t)st.commit_max_ns,
-	              "pending_records", (json_int_t)st.pending, "fold", fold, "checkpoints",
-	              (json_int_t)st.checkpoints, "catch_ups", (json_int_t)st.catch_ups,
-	              "bound_waits", (json_int_t)st.bound_waits, "checkpoint_ns",
-	              (json_int_t)st.checkpoint_ns, "wal_pages", (json_int_t)st.wal_pages,
-	              "db_bytes", (json_int_t)st.db_bytes, "wal_bytes", (json_int_t)st.wal_bytes);
+	res = json_pack(
+	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O, s:O, s:I, s:I, s:I, s:I, s:I, "
+	    "s:I, s:I}",
+	    "durability", store_durability_str(d->cfg->durability), "commits",
+	    (json_int_t)st.commits, "turns", (json_int_t)st.turns, "inline_commits",
+	    (json_int_t)st.inline_commits, "records", (json_int_t)st.records, "commit_ns",
+	    (json_int_t)st.commit_ns, "commit_max_ns", (json_int_t)st.commit_max_ns,
+	    "pending_records", (json_int_t)st.pending, "fold", fold, "cohort", cohort,
+	    "checkpoints", (json_int_t)st.checkpoints, "catch_ups", (json_int_t)st.catch_ups,
+	    "bound_waits", (json_int_t)st.bound_waits, "checkpoint_ns",
+	    (json_int_t)st.checkpoint_ns, "wal_pages", (json_int_t)st.wal_pages, "db_bytes",
+	    (json_int_t)st.db_bytes, "wal_bytes", (json_int_t)st.wal_bytes);
+	json_decref(cohort);
 	json_decref(fold);
 	return res;
 }

@@ -302,7 +302,8 @@ struct pending {
 /* The counters of store_stats: written by whichever thread writes, read by the loop. */
 struct store_counters {
 	_Atomic uint64_t commits, turns, inline_commits, records, commit_ns, commit_max_ns, pending,
-	    fold_cycles, fold_segments, fold_records, fold_ns, dead_batches, wal_pages;
+	    fold_cycles, fold_segments, fold_records, fold_ns, dead_batches, wal_pages,
+	    cohort_waits, cohort_short, cohort_ns;
 };
 
 struct store {
@@ -330,7 +331,7 @@ struct store {
 	/* The last commit the writer wrote: its records, the records queued when it ended,
 	 * and when (cohort_wait); whether the wait after it fell short. */
 	size_t cohort_records, cohort_queued;
-	uint64_t cohort_end_ns;
+	uint64_t cohort_end_ns, cohort_wait_ns; /* the latter STORE_COHORT_WAIT_NS but in tests */
 	bool cohort_missed;
 	uint64_t submitted;    /* seq of the last job queued */
 	uint64_t committed;    /* the highest seq written, in order */
@@ -981,6 +982,9 @@ void store_stats(struct store *s, struct store_stats *o)
 	o->fold_ns = count_get(&s->n.fold_ns);
 	o->dead_batches = count_get(&s->n.dead_batches);
 	o->wal_pages = count_get(&s->n.wal_pages);
+	o->cohort_waits = count_get(&s->n.cohort_waits);
+	o->cohort_short = count_get(&s->n.cohort_short);
+	o->cohort_ns = count_get(&s->n.cohort_ns);
 	if (s->ck.started) {
 		pthread_mutex_lock(&s->ck.mu);
 		o->checkpoints = s->ck.runs;
@@ -1829,11 +1833,12 @@ static bool fold_idle(struct store *s, bool all)
  * already waiting, so that one commit carries most of both cohorts. It waits at most
  * STORE_COHORT_WAIT_NS after that commit ended, not while a thread waits for a job of its
  * own (job_run_sync) or a special job is queued, and not right after a wait that fell short
- * (the clients it released did not come back in time). */
+ * (the clients it released did not come back in time). The waits, those that fell short and
+ * their time are counted (store_stats). */
 static void cohort_wait(struct store *s)
 {
 	struct timespec dl;
-	uint64_t end;
+	uint64_t end, t0 = 0;
 	size_t want;
 
 	if (s->durability != DURABILITY_MACHINE || s->cohort_records < 2)
@@ -1843,18 +1848,30 @@ static void cohort_wait(struct store *s)
 		return;
 	}
 	want = s->cohort_queued + s->cohort_records * 3 / 4;
-	end = s->cohort_end_ns + STORE_COHORT_WAIT_NS;
+	end = s->cohort_end_ns + s->cohort_wait_ns;
 	dl.tv_sec = (time_t)(end / 1000000000u);
 	dl.tv_nsec = (long)(end % 1000000000u);
 	while (s->queued_records < want && !s->stop && !s->wal_full && !s->idle_wanted) {
 		for (struct job *j = s->queue; j; j = j->next)
 			if (j->sync || j->kind != JOB_WRITE)
+				goto out;
+		if (!t0) {
+			/* A deadline already past (after an idle spell) is a miss, not a wait. */
+			if ((t0 = mono_ns()) >= end) {
+				s->cohort_missed = true;
 				return;
+			}
+			count_add(&s->n.cohort_waits, 1);
+		}
 		if (pthread_cond_timedwait(&s->qcv, &s->qmu, &dl) == ETIMEDOUT) {
 			s->cohort_missed = s->queued_records < want;
-			return;
+			count_add(&s->n.cohort_short, s->cohort_missed);
+			break;
 		}
 	}
+out:
+	if (t0)
+		count_add(&s->n.cohort_ns, mono_ns() - t0);
 }
 
 static void *writer_main(void *arg)
@@ -2153,6 +2170,7 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	s->fold_records = STORE_FOLD_RECORDS;
 	s->checkpoint_pages = STORE_CHECKPOINT_PAGES;
 	s->wal_hard_pages = STORE_WAL_HARD_PAGES;
+	s->cohort_wait_ns = STORE_COHORT_WAIT_NS;
 	s->ck.catch_up_pages = STORE_CATCH_UP_PAGES;
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
@@ -2254,6 +2272,13 @@ void store_set_idle_fold(struct store *s, bool on)
 {
 	pthread_mutex_lock(&s->qmu);
 	s->no_idle_fold = !on;
+	pthread_mutex_unlock(&s->qmu);
+}
+
+void store_set_cohort_wait(struct store *s, uint64_t ns)
+{
+	pthread_mutex_lock(&s->qmu);
+	s->cohort_wait_ns = ns;
 	pthread_mutex_unlock(&s->qmu);
 }
 

@@ -49,6 +49,9 @@ void store_set_idle_fold(struct store *s, bool on);
  * the first: equal, the thread is never asked), and the frames a round may leave behind
  * for the next commit to copy (256; 0 keeps the default). */
 void store_set_wal_pages(struct store *s, int checkpoint, int hard, int catch_up);
+/* For tests: how long after a commit at durability machine the writer may wait for the next
+ * cohort (cohort_wait in store.c; 400 us). */
+void store_set_cohort_wait(struct store *s, uint64_t ns);
 
 /* One transaction per loop turn, written by the store's writer thread. store_begin opens
  * it (0, or -EINVAL when one is open already); the writes below record into it; nothing is
@@ -107,6 +110,10 @@ struct store_stats {
 	uint64_t bound_waits;    /* and the writer's own, holding commits, at the WAL's bound */
 	uint64_t checkpoint_ns;  /* time in them */
 	uint64_t wal_pages;      /* pages in the WAL after the last commit */
+	uint64_t cohort_waits;   /* durability machine: times the writer waited after a commit
+	                          * for the requests its answers released (cohort_wait) */
+	uint64_t cohort_short;   /* of them, those that ended at the deadline short of it */
+	uint64_t cohort_ns;      /* time in them */
 	uint64_t db_bytes;       /* size of the database file and of its WAL now */
 	uint64_t wal_bytes;
 };

@@ -816,6 +816,7 @@ def test_stats_store(daemon_factory):
     assert s1["commit_ns"] > s0["commit_ns"]
     assert s1["commit_max_ns"] * commits >= s1["commit_ns"] - s0["commit_ns"]
     assert s1["inline_commits"] <= s1["commits"]
+    assert s1["cohort"] == {"waits": 0, "short": 0, "ns": 0}  # machine only
     assert s1["db_bytes"] > 0 and s1["wal_bytes"] > 0 and s1["wal_pages"] > 0
     # A quiet tick folds what is pending into segments, one per conversation here.
     deadline = time.monotonic() + 20 * scale
@@ -832,14 +833,19 @@ def test_stats_store(daemon_factory):
     assert "# TYPE convod_store_pending_records gauge" in text
     assert re.search(r"^convod_store_fold_records [1-9][0-9]*$", text, re.M)
     assert "# TYPE convod_store_fold_dead_batches gauge" in text
+    assert "# TYPE convod_store_cohort_waits counter" in text
+    assert re.search(r"^convod_store_cohort_short 0$", text, re.M)
     assert re.search(r"^convod_store_fold_dead_batches 0$", text, re.M)
     assert "durability" not in text  # strings are left out
     # machine: every commit goes through the writer thread, which syncs it.
     m = daemon_factory(["--durability", "machine"]).connect()
-    add(m, "add_user", "st-m", "hello")
+    for i in range(3):
+        add(m, "add_user" if i % 2 == 0 else "add_assistant", "st-m", "hello %d" % i)
     sm = stats(m)["store"]
     assert sm["durability"] == "machine"
-    assert sm["commits"] >= 1 and sm["inline_commits"] == 0 and sm["records"] >= 1
+    assert sm["commits"] >= 3 and sm["inline_commits"] == 0 and sm["records"] >= 3
+    # A lone client's commits hold one record each: the writer never waits for more.
+    assert sm["cohort"] == {"waits": 0, "short": 0, "ns": 0}
     # No store: null, and no store metric.
     n = daemon_factory(["--memory-only"]).connect()
     add(n, "add_user", "st-n", "hello")

@@ -1719,6 +1719,128 @@ static void test_async(void)
 		convo_free(c[i]);
 }
 
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Waits until seq is written, by polling: a job someone waits for (store_sync) would change
+ * what the writer does. */
+static bool committed_by(struct store *s, uint64_t seq)
+{
+	struct store_progress p;
+
+	for (int t = 0; t < 20000; t++) {
+		store_progress(s, &p);
+		if (p.committed >= seq || p.failed)
+			return p.committed >= seq;
+		usleep(500);
+	}
+	return false;
+}
+
+/* Submits, without waiting, a transaction of a new conversation of n messages (n records)
+ * in c[*k]; returns its seq. */
+static uint64_t submit_new(struct store *s, struct convo_env *env, struct convo **c, int *k, int n)
+{
+	char id[16];
+	uint64_t seq = 0;
+
+	snprintf(id, sizeof(id), "co%d", *k);
+	c[*k] = small(env, id, n);
+	CHECK(store_begin(s) == 0 && put_pending(s, c[*k]) == n);
+	CHECK(store_submit(s, &seq) == 0);
+	++*k;
+	return seq;
+}
+
+/* At durability machine, after a commit of several records the writer waits for the next
+ * cohort (cohort_wait in store.c): for three quarters as many records, within a window
+ * counted from that commit's end, widened here to 1 s so that this thread's timing does not
+ * decide what happens. Every case and its counters (store_stats, the `stats` op). */
+static void test_cohort(void)
+{
+	char dir[128], err[256];
+	struct convo_env env;
+	struct convo *c[12] = {0}, *l = NULL;
+	struct store_stats a, b;
+	struct store *s = NULL;
+	uint64_t seq, seq2, t0;
+	int k = 0;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "cohort");
+	CHECK(store_open(dir, DURABILITY_MACHINE, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	store_set_cohort_wait(s, 1000000000u);
+	/* Eight records: no commit before them, so no wait. */
+	CHECK(committed_by(s, submit_new(s, &env, c, &k, 8)));
+	store_stats(s, &a);
+	CHECK(a.cohort_waits == 0 && a.cohort_short == 0 && a.cohort_ns == 0);
+	/* Two records, and 50 ms later five: the writer waits for six (three quarters of
+	 * eight) and writes both transactions in one commit. */
+	seq = submit_new(s, &env, c, &k, 2);
+	usleep(50000);
+	seq2 = submit_new(s, &env, c, &k, 5);
+	CHECK(seq2 == seq + 1 && committed_by(s, seq2));
+	store_stats(s, &b);
+	CHECK(b.cohort_waits == 1 && b.cohort_short == 0);
+	CHECK(b.cohort_ns >= 40000000u && b.cohort_ns < 1000000000u);
+	CHECK(b.commits == a.commits + 1 && b.turns == a.turns + 2 && b.records == a.records + 7);
+	/* Four records alone: it waits for five (of seven) in vain, until the window closes. */
+	t0 = now_ns();
+	CHECK(committed_by(s, submit_new(s, &env, c, &k, 4)));
+	CHECK(now_ns() - t0 >= 500000000u);
+	store_stats(s, &a);
+	CHECK(a.cohort_waits == 2 && a.cohort_short == 1 && a.commits == b.commits + 1);
+	CHECK(a.cohort_ns >= b.cohort_ns + 500000000u);
+	/* Right after a wait that fell short it does not wait: two records, fewer than the three
+	 * it would wait for, are written at once. */
+	t0 = now_ns();
+	CHECK(committed_by(s, submit_new(s, &env, c, &k, 2)));
+	CHECK(now_ns() - t0 < 500000000u);
+	/* Eight records after a commit of two: more than the one it would wait for, no wait. */
+	CHECK(committed_by(s, submit_new(s, &env, c, &k, 8)));
+	store_stats(s, &b);
+	CHECK(b.cohort_waits == 2 && b.cohort_short == 1 && b.commits == a.commits + 2);
+	/* A thread waiting for its own commit (store_commit) is not kept waiting for others. */
+	t0 = now_ns();
+	c[k] = small(&env, "co-sync", 1);
+	CHECK(store_begin(s) == 0 && put_pending(s, c[k++]) == 1 && store_commit(s) == 0);
+	CHECK(now_ns() - t0 < 500000000u);
+	store_stats(s, &a);
+	CHECK(a.cohort_waits == 2 && a.commits == b.commits + 1);
+	for (int i = 0; i < k; i++) {
+		CHECK(store_load_conversation(s, c[i]->id, c[i]->id_len, &l) == 0);
+		CHECK_SAME(c[i], l);
+		convo_free(l);
+		l = NULL;
+	}
+	store_close(s);
+	for (int i = 0; i < k; i++)
+		convo_free(c[i]);
+
+	/* At durability process nothing waits. */
+	k = 0;
+	make_dir(dir, sizeof(dir), "cohort-process");
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	store_set_cohort_wait(s, 1000000000u);
+	CHECK(committed_by(s, submit_new(s, &env, c, &k, 8)));
+	t0 = now_ns();
+	CHECK(committed_by(s, submit_new(s, &env, c, &k, 2)));
+	CHECK(now_ns() - t0 < 500000000u);
+	store_stats(s, &a);
+	CHECK(a.cohort_waits == 0 && a.cohort_short == 0 && a.cohort_ns == 0);
+	store_close(s);
+	for (int i = 0; i < k; i++)
+		convo_free(c[i]);
+}
+
 /* A fold cycle's batches are deleted after it ends, a few per commit or idle step of the
  * writer, oldest first; a crash before they are gone leaves the newest batches, which the
  * next start folds again, into segments after those that already hold them: the newest
@@ -2044,6 +2166,7 @@ int main(void)
 	test_unwritable();
 	test_disk_full();
 	test_async();
+	test_cohort();
 	test_wal_bound();
 	test_wal_catch_up();
 	test_bench();
