@@ -750,6 +750,8 @@ static void *checkpointer_main(void *arg)
 	struct checkpointer *ck = arg;
 	sqlite3 *db = NULL;
 
+	/* Named for top -H, perf and /proc (at most 15 characters); a failure is harmless. */
+	pthread_setname_np(pthread_self(), "convod-ckpt");
 	pthread_mutex_lock(&ck->mu);
 	for (;;) {
 		while ((!ck->wanted || ck->running) && !ck->stop)
@@ -1879,6 +1881,7 @@ static void *writer_main(void *arg)
 	struct store *s = arg;
 	bool fold = true;
 
+	pthread_setname_np(pthread_self(), "convod-writer");
 	pthread_mutex_lock(&s->qmu);
 	for (;;) {
 		struct job *jobs, *keep = NULL, **kp = &keep, *j, *next;

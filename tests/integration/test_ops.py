@@ -787,6 +787,31 @@ def test_stats_time_by_op_counts_daemon_time(daemon):
                      text, re.M)
 
 
+def thread_names(pid):
+    names = []
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # a thread that just ended
+    return names
+
+
+def test_store_threads_are_named(daemon_factory):
+    """The store's threads carry names (top -H, perf, /proc): the writer and the checkpoint
+    thread; without a store there are neither."""
+    d = daemon_factory(["--durability", "machine"])
+    d.connect().ok({"op": "ping"})
+    names = thread_names(d.proc.pid)
+    assert names.count("convod-writer") == 1, names
+    assert names.count("convod-ckpt") == 1, names
+    m = daemon_factory(["--memory-only"])
+    m.connect().ok({"op": "ping"})
+    names = thread_names(m.proc.pid)
+    assert "convod-writer" not in names and "convod-ckpt" not in names, names
+
+
 def test_stats_store(daemon_factory):
     """stats.store counts the local store's work: group commits and the turns and message
     versions they held, their time, the fold that later takes every version into its
