@@ -132,6 +132,7 @@ static bool prom_is_counter(const char *name)
 	    "convod_store_catch_ups",
 	    "convod_store_bound_waits",
 	    "convod_store_checkpoint_ns",
+	    "convod_store_wal_writebacks",
 	};
 	for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++)
 		if (strcmp(name, counters[i]) == 0)

@@ -4,6 +4,7 @@
 #include "store.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <malloc.h>
 #include <pthread.h>
@@ -57,6 +58,15 @@
  * made meanwhile) is the last: the next commit copies them (checkpoint_catch_up), a few
  * hundred us on the loop, instead of another round. */
 #define STORE_CATCH_UP_PAGES 256
+/* At durability process, after every this many pages (4 MB) of WAL the checkpoint thread
+ * starts the writeback of the WAL's dirty pages without waiting for it (wal_writeback).
+ * Nothing else writes them before a sync: the checkpoint round's sync of the WAL then wrote
+ * up to 64 MB at once, and the small syncs on the loop (the catch-up's, the commit that
+ * starts the WAL over) waited behind that burst at the disk, up to 155 ms each. 9 paired
+ * runs, 50 connections, adds only, 10 s: req/s higher in 7 (means 63.4k -> 67.1k), p99 lower
+ * in 8 (means 4.2 -> 3.5 ms), p99.9 in 7 (12.9 -> 11.1 ms); the loop's time blocked in the
+ * kernel fell from 77-568 to 43-190 ms in 6 s (5 pairs). 256 and 4096 pages did no better. */
+#define STORE_WAL_WRITEBACK_PAGES 1024
 /* Pending records after which a fold cycle starts (see "Messages" below). A segment per
  * conversation and cycle costs about a page of WAL beyond its records (the index, the
  * table's inner pages), so fewer, longer segments write less: 16384 -> 65536 at 1000
@@ -269,6 +279,11 @@ struct checkpointer {
 	_Atomic bool catch_up;
 	_Atomic int wal_frames;     /* the WAL's size at the last commit (wal_hook) */
 	_Atomic int catch_up_pages; /* STORE_CATCH_UP_PAGES, or what a test set */
+	/* The WAL's writeback, asked by wal_hook (durability process): wanted, how often it was
+	 * started, and the thread's own descriptor of the WAL file (-1 until it exists). */
+	bool writeback_wanted;
+	uint64_t writebacks;
+	int wal_fd;
 };
 
 /* One pending record, and the next record of its conversation (SIZE_MAX: none). */
@@ -343,6 +358,8 @@ struct store {
 	bool no_idle_fold;     /* a test turned the writer's fold between jobs off (qmu) */
 	int checkpoint_pages;  /* STORE_CHECKPOINT_PAGES, or what a test set */
 	int wal_hard_pages;    /* STORE_WAL_HARD_PAGES, or what a test set */
+	int writeback_pages;   /* STORE_WAL_WRITEBACK_PAGES, or what a test set (0: never) */
+	int writeback_at;      /* the WAL's size when wal_hook last asked for its writeback */
 	enum durability durability;
 	int fail_error;
 	uint64_t void_through; /* jobs up to this seq were queued before an acknowledged failure */
@@ -745,6 +762,23 @@ static void checkpoint_ended(struct checkpointer *ck, enum checkpoint_kind kind,
 	pthread_cond_broadcast(&ck->cv); /* a writer waiting to checkpoint itself */
 }
 
+/* Starts the writeback of the WAL file's dirty pages, without waiting for it, so that the
+ * syncs that must (a checkpoint's, the commit that starts the WAL over) find little left to
+ * write. On the checkpoint thread: the call may block while the disk's queue is full. The
+ * descriptor is the thread's own; closing it cannot drop SQLite's locks, which lie in the
+ * database and -shm files, never in the WAL. Returns whether it was started. */
+static bool wal_writeback(struct checkpointer *ck)
+{
+	if (ck->wal_fd < 0) {
+		char name[4096];
+		if (snprintf(name, sizeof(name), "%s-wal", ck->path) >= (int)sizeof(name))
+			return false;
+		if ((ck->wal_fd = open(name, O_RDONLY | O_CLOEXEC)) < 0)
+			return false;
+	}
+	return sync_file_range(ck->wal_fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0;
+}
+
 static void *checkpointer_main(void *arg)
 {
 	struct checkpointer *ck = arg;
@@ -754,10 +788,18 @@ static void *checkpointer_main(void *arg)
 	pthread_setname_np(pthread_self(), "convod-ckpt");
 	pthread_mutex_lock(&ck->mu);
 	for (;;) {
-		while ((!ck->wanted || ck->running) && !ck->stop)
+		while ((!ck->wanted || ck->running) && !ck->writeback_wanted && !ck->stop)
 			pthread_cond_wait(&ck->cv, &ck->mu);
 		if (ck->stop)
 			break;
+		if (ck->writeback_wanted) {
+			ck->writeback_wanted = false;
+			pthread_mutex_unlock(&ck->mu);
+			bool started = wal_writeback(ck);
+			pthread_mutex_lock(&ck->mu);
+			ck->writebacks += started;
+			continue;
+		}
 		ck->wanted = false;
 		ck->running = true;
 		pthread_mutex_unlock(&ck->mu);
@@ -802,6 +844,9 @@ static void *checkpointer_main(void *arg)
 	}
 	pthread_mutex_unlock(&ck->mu);
 	sqlite3_close(db);
+	if (ck->wal_fd >= 0)
+		close(ck->wal_fd);
+	ck->wal_fd = -1;
 	return NULL;
 }
 
@@ -886,6 +931,20 @@ static int wal_hook(void *arg, sqlite3 *db, const char *name, int pages)
 
 	count_set(&s->n.wal_pages, (uint64_t)(pages > 0 ? pages : 0));
 	atomic_store_explicit(&ck->wal_frames, pages, memory_order_relaxed);
+	/* At durability process nothing writes the WAL's pages out before a sync needs them
+	 * (machine syncs every commit; at none nothing waits for a sync): have the thread
+	 * start it, every writeback_pages pages. */
+	if (s->durability == DURABILITY_PROCESS && s->writeback_pages > 0) {
+		if (pages < s->writeback_at)
+			s->writeback_at = 0; /* the WAL started over */
+		if (pages - s->writeback_at >= s->writeback_pages) {
+			s->writeback_at = pages;
+			pthread_mutex_lock(&ck->mu);
+			ck->writeback_wanted = true;
+			pthread_cond_signal(&ck->cv);
+			pthread_mutex_unlock(&ck->mu);
+		}
+	}
 	if (pages < s->checkpoint_pages)
 		return SQLITE_OK;
 	if (pages >= s->wal_hard_pages && s->writer_started &&
@@ -924,6 +983,7 @@ static int checkpointer_start(struct store *s, enum durability durability)
 
 	ck->path = s->path;
 	ck->durability = durability;
+	ck->wal_fd = -1;
 	if ((rc = pthread_mutex_init(&ck->mu, NULL)) != 0)
 		return -rc;
 	if ((rc = pthread_cond_init(&ck->cv, NULL)) != 0) {
@@ -993,6 +1053,7 @@ void store_stats(struct store *s, struct store_stats *o)
 		o->catch_ups = s->ck.catch_ups;
 		o->bound_waits = s->ck.bound_waits;
 		o->checkpoint_ns = s->ck.ns;
+		o->wal_writebacks = s->ck.writebacks;
 		pthread_mutex_unlock(&s->ck.mu);
 	}
 	o->db_bytes = file_bytes(s->path, "");
@@ -2174,6 +2235,7 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	s->checkpoint_pages = STORE_CHECKPOINT_PAGES;
 	s->wal_hard_pages = STORE_WAL_HARD_PAGES;
 	s->cohort_wait_ns = STORE_COHORT_WAIT_NS;
+	s->writeback_pages = STORE_WAL_WRITEBACK_PAGES;
 	s->ck.catch_up_pages = STORE_CATCH_UP_PAGES;
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
@@ -2276,6 +2338,14 @@ void store_set_idle_fold(struct store *s, bool on)
 	pthread_mutex_lock(&s->qmu);
 	s->no_idle_fold = !on;
 	pthread_mutex_unlock(&s->qmu);
+}
+
+void store_set_wal_writeback(struct store *s, int pages)
+{
+	/* wal_hook reads it in commits, which hold dbmu */
+	pthread_mutex_lock(&s->dbmu);
+	s->writeback_pages = pages;
+	pthread_mutex_unlock(&s->dbmu);
 }
 
 void store_set_cohort_wait(struct store *s, uint64_t ns)

@@ -49,6 +49,9 @@ void store_set_idle_fold(struct store *s, bool on);
  * the first: equal, the thread is never asked), and the frames a round may leave behind
  * for the next commit to copy (256; 0 keeps the default). */
 void store_set_wal_pages(struct store *s, int checkpoint, int hard, int catch_up);
+/* For tests: after how many pages of WAL growth the checkpoint thread starts the WAL's
+ * writeback at durability process (1024; 0: never). */
+void store_set_wal_writeback(struct store *s, int pages);
 /* For tests: how long after a commit at durability machine the writer may wait for the next
  * cohort (cohort_wait in store.c; 400 us). */
 void store_set_cohort_wait(struct store *s, uint64_t ns);
@@ -109,6 +112,8 @@ struct store_stats {
 	                          * left behind, so that the WAL starts over */
 	uint64_t bound_waits;    /* and the writer's own, holding commits, at the WAL's bound */
 	uint64_t checkpoint_ns;  /* time in them */
+	uint64_t wal_writebacks; /* durability process: the WAL's writebacks the checkpoint
+	                          * thread started ahead of the syncs that need them */
 	uint64_t wal_pages;      /* pages in the WAL after the last commit */
 	uint64_t cohort_waits;   /* durability machine: times the writer waited after a commit
 	                          * for the requests its answers released (cohort_wait) */

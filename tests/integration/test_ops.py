@@ -859,6 +859,7 @@ def test_stats_store(daemon_factory):
     assert re.search(r"^convod_store_fold_records [1-9][0-9]*$", text, re.M)
     assert "# TYPE convod_store_fold_dead_batches gauge" in text
     assert "# TYPE convod_store_cohort_waits counter" in text
+    assert "# TYPE convod_store_wal_writebacks counter" in text
     assert re.search(r"^convod_store_cohort_short 0$", text, re.M)
     assert re.search(r"^convod_store_fold_dead_batches 0$", text, re.M)
     assert "durability" not in text  # strings are left out
@@ -871,6 +872,7 @@ def test_stats_store(daemon_factory):
     assert sm["commits"] >= 3 and sm["inline_commits"] == 0 and sm["records"] >= 3
     # A lone client's commits hold one record each: the writer never waits for more.
     assert sm["cohort"] == {"waits": 0, "short": 0, "ns": 0}
+    assert sm["wal_writebacks"] == 0  # every commit syncs: nothing to start early
     # No store: null, and no store metric.
     n = daemon_factory(["--memory-only"]).connect()
     add(n, "add_user", "st-n", "hello")

@@ -2022,6 +2022,56 @@ static void test_wal_bound(void)
  * 1,500 commits of an 8 kB message write about 4,500 pages; without the catch-up the WAL
  * file ended at 28-31 MB. Here every round is followed by a catch-up, however much it left
  * (the default, 256 pages, depends on how fast the disk syncs next to the commits). */
+/* At durability process the checkpoint thread starts the WAL's writeback every so many pages
+ * of WAL (8 here), without anyone waiting for it; at machine, where every commit syncs, it
+ * never does. The data reads back as written either way. */
+static void test_wal_writeback(void)
+{
+	static char text[8000];
+
+	memset(text, 'b', sizeof(text) - 1);
+	for (int machine = 0; machine < 2; machine++) {
+		struct convo_env env;
+		struct store_stats st;
+		struct store *s = NULL;
+		struct convo *c, *l = NULL;
+		char dir[128], err[256];
+
+		env_init(&env, T0);
+		make_dir(dir, sizeof(dir), machine ? "writeback-machine" : "writeback-process");
+		CHECK(store_open(dir, machine ? DURABILITY_MACHINE : DURABILITY_PROCESS, &s, err,
+		                 sizeof(err)) == 0);
+		if (!s)
+			continue;
+		store_set_wal_writeback(s, 8);
+		c = convo_new("wb", 2);
+		for (int i = 0; c && i < 60; i++) {
+			uint64_t seq;
+			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
+			CHECK(store_submit(s, &seq) == 0);
+			CHECK(store_sync(s) == 0);
+		}
+		store_stats(s, &st);
+		/* Each commit adds three pages or more: 20 asks at least, some of them served
+		 * together, none twice; the thread serves them in its own time. */
+		CHECK(st.wal_pages >= 180);
+		for (int t = 0; t < 1000 && !machine && st.wal_writebacks == 0; t++) {
+			usleep(10000);
+			store_stats(s, &st);
+		}
+		if (machine)
+			CHECK(st.wal_writebacks == 0);
+		else
+			CHECK(st.wal_writebacks > 0 && st.wal_writebacks <= st.wal_pages / 8);
+		CHECK(store_load_conversation(s, "wb", 2, &l) == 0);
+		CHECK_SAME(c, l);
+		convo_free(l);
+		store_close(s);
+		convo_free(c);
+	}
+}
+
 static void test_wal_catch_up(void)
 {
 	for (int machine = 0; machine < 2; machine++) {
@@ -2169,6 +2219,7 @@ int main(void)
 	test_cohort();
 	test_wal_bound();
 	test_wal_catch_up();
+	test_wal_writeback();
 	test_bench();
 	nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 	return test_done("store");
