@@ -62,9 +62,9 @@
  * starts the writeback of the WAL's dirty pages without waiting for it (wal_writeback).
  * Nothing else writes them before a sync: the checkpoint round's sync of the WAL then wrote
  * up to 64 MB at once, and the small syncs on the loop (the catch-up's, the commit that
- * starts the WAL over) waited behind that burst at the disk, up to 155 ms each. 9 paired
- * runs, 50 connections, adds only, 10 s: req/s higher in 7 (means 63.4k -> 67.1k), p99 lower
- * in 8 (means 4.2 -> 3.5 ms), p99.9 in 7 (12.9 -> 11.1 ms); the loop's time blocked in the
+ * starts the WAL over) waited behind that burst at the disk, up to 155 ms each. 12 paired
+ * runs, 50 connections, adds only, 10 s: p99 lower in 9 (means 3.8 -> 3.2 ms), p99.9 in 10
+ * (12.2 -> 10.5 ms), req/s higher in 8 (65.9k -> 68.1k); the loop's time blocked in the
  * kernel fell from 77-568 to 43-190 ms in 6 s (5 pairs). 256 and 4096 pages did no better. */
 #define STORE_WAL_WRITEBACK_PAGES 1024
 /* Pending records after which a fold cycle starts (see "Messages" below). A segment per
