@@ -16,6 +16,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -2072,6 +2073,111 @@ static void test_wal_writeback(void)
 	}
 }
 
+/* Uses up every file descriptor this process may open (the soft limit lowered to just past
+ * the highest one open, the gaps below filled); returns how many it filled, or -1 where
+ * the limit cannot be lowered (under valgrind, which keeps descriptors of its own). */
+static int fds_exhaust(struct rlimit *old, int *filled, int max)
+{
+	struct rlimit lim;
+	int top = -1, n = 0, fd;
+
+	if (getrlimit(RLIMIT_NOFILE, old) < 0)
+		return -1;
+	for (fd = 0; fd < 4096; fd++)
+		if (fcntl(fd, F_GETFD) >= 0)
+			top = fd;
+	lim = *old;
+	lim.rlim_cur = (rlim_t)top + 1;
+	if (setrlimit(RLIMIT_NOFILE, &lim) < 0)
+		return -1;
+	while (n < max && (fd = dup(2)) >= 0)
+		filled[n++] = fd;
+	return n;
+}
+
+static void fds_restore(const struct rlimit *old, const int *filled, int n)
+{
+	for (int i = 0; i < n; i++)
+		close(filled[i]);
+	setrlimit(RLIMIT_NOFILE, old);
+}
+
+/* The WAL's writeback needs a descriptor of its own, which the checkpoint thread opens at
+ * its first writeback: while none can be opened, nothing is started, commits go on, and
+ * the next ask opens it. */
+static void test_wal_writeback_no_fd(void)
+{
+	static char text[8000];
+	struct convo_env env;
+	struct store_stats st;
+	struct store *s = NULL;
+	struct convo *c, *l = NULL;
+	struct rlimit old;
+	char dir[128], err[256];
+	int filled[4096], n;
+
+	memset(text, 'f', sizeof(text) - 1);
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "writeback-no-fd");
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	store_set_wal_writeback(s, 0);
+	c = convo_new("nf", 2);
+	/* First commits, without writebacks: SQLite has the WAL open before the descriptors
+	 * run out, and the thread has none yet. */
+	for (int i = 0; c && i < 2; i++) {
+		uint64_t seq;
+		CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+		CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
+		CHECK(store_submit(s, &seq) == 0);
+		CHECK(store_sync(s) == 0);
+	}
+	store_stats(s, &st);
+	CHECK(st.wal_writebacks == 0);
+	store_set_wal_writeback(s, 8);
+	if ((n = fds_exhaust(&old, filled, 4096)) < 0) {
+		printf("writeback without a descriptor: RLIMIT_NOFILE cannot be lowered here "
+		       "(valgrind?), not run\n");
+	} else {
+		CHECK(open("/dev/null", O_RDONLY) < 0 && errno == EMFILE);
+		for (int i = 0; c && i < 30; i++) {
+			uint64_t seq;
+			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
+			CHECK(store_submit(s, &seq) == 0);
+			CHECK(store_sync(s) == 0);
+		}
+		/* The thread's asks came and went without a descriptor. */
+		usleep(200000);
+		store_stats(s, &st);
+		fds_restore(&old, filled, n);
+		printf("writeback without a descriptor: %d filled, %" PRIu64 " WAL pages, %" PRIu64
+		       " writebacks\n",
+		       n, st.wal_pages, st.wal_writebacks);
+		CHECK(st.wal_pages >= 90 && st.wal_writebacks == 0);
+		/* Descriptors again: the next ask opens one. */
+		for (int i = 0; c && i < 10; i++) {
+			uint64_t seq;
+			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
+			CHECK(store_submit(s, &seq) == 0);
+			CHECK(store_sync(s) == 0);
+		}
+		store_stats(s, &st);
+		for (int t = 0; t < 1000 && st.wal_writebacks == 0; t++) {
+			usleep(10000);
+			store_stats(s, &st);
+		}
+		CHECK(st.wal_writebacks > 0);
+	}
+	CHECK(store_load_conversation(s, "nf", 2, &l) == 0);
+	CHECK_SAME(c, l);
+	convo_free(l);
+	store_close(s);
+	convo_free(c);
+}
+
 static void test_wal_catch_up(void)
 {
 	for (int machine = 0; machine < 2; machine++) {
@@ -2220,6 +2326,7 @@ int main(void)
 	test_wal_bound();
 	test_wal_catch_up();
 	test_wal_writeback();
+	test_wal_writeback_no_fd();
 	test_bench();
 	nftw(root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 	return test_done("store");
