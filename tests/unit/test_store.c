@@ -1950,6 +1950,20 @@ static void test_dead_count(void)
 	convo_free(c);
 }
 
+/* n commits of one message of text each to c, user and assistant alternating from the
+ * first, each submitted and waited for. */
+static void commit_each(struct store *s, struct convo *c, struct convo_env *env,
+                        const char *text, int n)
+{
+	for (int i = 0; c && i < n; i++) {
+		uint64_t seq;
+		CHECK(add1(c, env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+		CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
+		CHECK(store_submit(s, &seq) == 0);
+		CHECK(store_sync(s) == 0);
+	}
+}
+
 /* Commits n 8 kB messages to a new store of durability `machine` in dir tag, one a
  * commit, with the WAL sizes set (store_set_wal_pages); checks that the conversation reads
  * back whole. Returns the WAL file's size at the end (its high-water mark), or -1, and the
@@ -1976,13 +1990,7 @@ static long long commit_big(const char *tag, int machine, int n, int checkpoint,
 	/* A new store: opening it ran no checkpoint. */
 	CHECK(store_checkpoints(s) == 0);
 	c = convo_new("w", 1);
-	for (int i = 0; c && i < n; i++) {
-		uint64_t seq;
-		CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-		CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-		CHECK(store_submit(s, &seq) == 0);
-		CHECK(store_sync(s) == 0);
-	}
+	commit_each(s, c, &env, text, n);
 	store_stats(s, out);
 	snprintf(wal, sizeof(wal), "%s/convod.db-wal", dir);
 	CHECK(stat(wal, &st) == 0);
@@ -2046,13 +2054,7 @@ static void test_wal_writeback(void)
 			continue;
 		store_set_wal_writeback(s, 8);
 		c = convo_new("wb", 2);
-		for (int i = 0; c && i < 60; i++) {
-			uint64_t seq;
-			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-			CHECK(store_submit(s, &seq) == 0);
-			CHECK(store_sync(s) == 0);
-		}
+		commit_each(s, c, &env, text, 60);
 		store_stats(s, &st);
 		/* Each commit adds three pages or more: 20 asks at least, some of them served
 		 * together, none twice; the thread serves them in its own time. */
@@ -2126,13 +2128,7 @@ static void test_wal_writeback_no_fd(void)
 	c = convo_new("nf", 2);
 	/* First commits, without writebacks: SQLite has the WAL open before the descriptors
 	 * run out, and the thread has none yet. */
-	for (int i = 0; c && i < 2; i++) {
-		uint64_t seq;
-		CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-		CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-		CHECK(store_submit(s, &seq) == 0);
-		CHECK(store_sync(s) == 0);
-	}
+	commit_each(s, c, &env, text, 2);
 	store_stats(s, &st);
 	CHECK(st.wal_writebacks == 0);
 	store_set_wal_writeback(s, 8);
@@ -2141,13 +2137,7 @@ static void test_wal_writeback_no_fd(void)
 		       "(valgrind?), not run\n");
 	} else {
 		CHECK(open("/dev/null", O_RDONLY) < 0 && errno == EMFILE);
-		for (int i = 0; c && i < 30; i++) {
-			uint64_t seq;
-			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-			CHECK(store_submit(s, &seq) == 0);
-			CHECK(store_sync(s) == 0);
-		}
+		commit_each(s, c, &env, text, 30);
 		/* The thread's asks came and went without a descriptor. */
 		usleep(200000);
 		store_stats(s, &st);
@@ -2157,13 +2147,7 @@ static void test_wal_writeback_no_fd(void)
 		       n, st.wal_pages, st.wal_writebacks);
 		CHECK(st.wal_pages >= 90 && st.wal_writebacks == 0);
 		/* Descriptors again: the next ask opens one. */
-		for (int i = 0; c && i < 10; i++) {
-			uint64_t seq;
-			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-			CHECK(store_submit(s, &seq) == 0);
-			CHECK(store_sync(s) == 0);
-		}
+		commit_each(s, c, &env, text, 10);
 		store_stats(s, &st);
 		for (int t = 0; t < 1000 && st.wal_writebacks == 0; t++) {
 			usleep(10000);
