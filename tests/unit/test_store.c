@@ -1952,8 +1952,8 @@ static void test_dead_count(void)
 
 /* n commits of one message of text each to c, user and assistant alternating from the
  * first, each submitted and waited for. */
-static void commit_each(struct store *s, struct convo *c, struct convo_env *env,
-                        const char *text, int n)
+static void commit_each(struct store *s, struct convo *c, struct convo_env *env, const char *text,
+                        int n)
 {
 	for (int i = 0; c && i < n; i++) {
 		uint64_t seq;
