@@ -16,7 +16,9 @@
 #       appendfsync everysec; convod --durability machine vs appendfsync always; target
 #       >= 1.0 for both.
 # Every server is fresh (new process, new state or AOF directory under TMPDIR, whose file
-# system decides what an fsync costs) and each pair runs back to back. The whole sequence
+# system decides what an fsync costs; removed and synced once it stopped, so that its
+# writeback does not fall into the next run) and each pair runs back to back, convod first
+# in odd rounds and last in even ones. The whole sequence
 # runs ROUNDS times: a pair's ratio is the median of its rounds' ratios (each round's two
 # runs a few seconds apart), its req/s the medians of each side, and the p99 target the
 # median of the rounds' p99s, so that one run disturbed by the machine (a shared 2-core VM
@@ -322,56 +324,87 @@ redis_run() {
 : >"$dir/results"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 
+# stop: the server goes, and so do its files before the next run starts: left behind, the
+# dirty pages of a durable run's WAL, database or AOF were written back while the other
+# side ran (deleted first, most are never written), and sync writes back the rest.
+stop() {
+	stop_server
+	rm -rf "$dir/state" "$dir/redis"
+	sync
+}
+
+# One run each: the pairs' sides, as functions so that a round can run them in either order.
+a_convod() {
+	start_convod a-process --durability process
+	bench_run a.convod#$round 1
+	stop
+	start_convod a-memory --memory-only
+	bench_run a.convod_memory#$round 1
+	stop
+}
+a_redis() {
+	[ $use_redis = 1 ] || return 0
+	start_redis a --appendonly no
+	redis_run a.redis#$round 1
+	stop
+}
+b_convod() {
+	start_convod b-process --durability process
+	bench_run b.convod#$round "$PIPELINE"
+	stop
+	start_convod b-memory --memory-only
+	bench_run b.convod_memory#$round "$PIPELINE"
+	stop
+}
+b_others() {
+	start_baseline
+	bench_run b.baseline#$round "$PIPELINE"
+	stop
+	baseline_cpu_row
+	[ $use_redis = 1 ] || return 0
+	start_redis b --appendonly no
+	redis_run b.redis#$round "$PIPELINE"
+	stop
+}
+c_process() {
+	start_convod c-process --durability process
+	bench_run c.convod_process#$round 1
+	stop
+}
+c_everysec() {
+	[ $use_redis = 1 ] || return 0
+	start_redis c-everysec --appendonly yes --appendfsync everysec
+	redis_run c.redis_everysec#$round 1
+	stop
+}
+c_machine() {
+	start_convod c-machine --durability machine
+	bench_run c.convod_machine#$round 1
+	stop
+}
+c_always() {
+	[ $use_redis = 1 ] || return 0
+	start_redis c-always --appendonly yes --appendfsync always
+	redis_run c.redis_always#$round 1
+	stop
+}
+
+# Odd rounds run convod first in each pair, even rounds the other side first, so that a
+# machine whose speed drifts during a pair favours neither side over the rounds.
 round=0
 while [ $round -lt "$ROUNDS" ]; do
 	round=$((round + 1))
 	[ "$ROUNDS" -eq 1 ] || echo "run-redis: round $round of $ROUNDS" >&2
-	# (a) 50 connections, no pipelining
-	start_convod a-process --durability process
-	bench_run a.convod#$round 1
-	stop_server
-	start_convod a-memory --memory-only
-	bench_run a.convod_memory#$round 1
-	stop_server
-	if [ $use_redis = 1 ]; then
-		start_redis a --appendonly no
-		redis_run a.redis#$round 1
-		stop_server
-	fi
-
-	# (b) pipeline
-	start_convod b-process --durability process
-	bench_run b.convod#$round "$PIPELINE"
-	stop_server
-	start_convod b-memory --memory-only
-	bench_run b.convod_memory#$round "$PIPELINE"
-	stop_server
-	start_baseline
-	bench_run b.baseline#$round "$PIPELINE"
-	stop_server
-	baseline_cpu_row
-	if [ $use_redis = 1 ]; then
-		start_redis b --appendonly no
-		redis_run b.redis#$round "$PIPELINE"
-		stop_server
-	fi
-
-	# (c) durable, no pipelining
-	start_convod c-process --durability process
-	bench_run c.convod_process#$round 1
-	stop_server
-	if [ $use_redis = 1 ]; then
-		start_redis c-everysec --appendonly yes --appendfsync everysec
-		redis_run c.redis_everysec#$round 1
-		stop_server
-	fi
-	start_convod c-machine --durability machine
-	bench_run c.convod_machine#$round 1
-	stop_server
-	if [ $use_redis = 1 ]; then
-		start_redis c-always --appendonly yes --appendfsync always
-		redis_run c.redis_always#$round 1
-		stop_server
+	if [ $((round % 2)) -eq 1 ]; then
+		a_convod; a_redis       # (a) 50 connections, no pipelining
+		b_convod; b_others      # (b) pipeline
+		c_process; c_everysec   # (c) durable, no pipelining
+		c_machine; c_always
+	else
+		a_redis; a_convod
+		b_others; b_convod
+		c_everysec; c_process
+		c_always; c_machine
 	fi
 done
 
