@@ -135,8 +135,10 @@ uint64_t dispatch_hold(const struct dispatch *d);
 /* After the store's writer woke the loop: takes what it finished (d->committed; spool rows
  * go to the sink, closed conversations leave memory). Returns false after a failed commit,
  * having put memory back as the store holds it (every transaction after the last one written
- * is void, the open one too) and counted it in d->failures: every answer that depends on a
- * transaction after d->committed must then become `unavailable` (dispatch_fail_answer). */
+ * is void, the open one too) and counted it in d->failures: every answer made before then
+ * that depends on a transaction after d->committed must then become `unavailable`
+ * (dispatch_fail_answer). Answers made after it (the rest of a turn in which the failure
+ * was found) depend on later commits. */
 bool dispatch_progress(struct dispatch *d);
 
 /* Waits until the writer has written everything submitted, then dispatch_progress. 0 or the

@@ -29,9 +29,12 @@ struct hold {
 };
 
 /* An ok answer out[start..end) that depends on transaction seq (0: the turn's, not yet
- * submitted): it becomes `unavailable` if that commit fails. */
+ * submitted): it becomes `unavailable` if that commit fails. epoch is the dispatcher's
+ * failure count when it was made: a failure found in the middle of a turn (by the flush
+ * timer's commit, or retry_dead_letters') undoes only what came before it, and the answers
+ * made after it depend on later commits, not on the failed one. */
 struct dep {
-	uint64_t seq;
+	uint64_t seq, epoch;
 	size_t start, end;
 };
 
@@ -196,6 +199,7 @@ static enum dispatch_result conn_dispatch(struct conn *c, const char *line, size
 			c->capdeps = ncap;
 		}
 		c->deps[c->ndeps].seq = 0;
+		c->deps[c->ndeps].epoch = d->failures;
 		c->deps[c->ndeps].start = start;
 		c->deps[c->ndeps].end = c->out.len;
 		c->ndeps++;
@@ -430,29 +434,48 @@ static void conn_hold(struct conn *c, uint64_t seq)
 	}
 }
 
-/* Turns every dependent answer of c not written yet (its commit failed) into `unavailable`,
- * and lets everything go. */
+/* Turns every dependent answer of c not written yet that was made before the last failure
+ * (its commit failed, or was void) into `unavailable`, and lets everything go but what the
+ * answers made since then wait for. */
 static void conn_fail_deps(struct conn *c)
 {
+	struct dispatch *d = c->srv->dispatch;
 	struct buf fresh = {NULL, 0, 0};
-	size_t pos = 0;
+	size_t pos = 0, k = 0;
+	uint64_t wait = 0;
 
 	if (c->closing)
 		return;
 	if (c->ndeps) {
 		for (size_t i = 0; i < c->ndeps; i++) {
-			struct dep *dp = &c->deps[i];
-			buf_append(&fresh, c->out.data + pos, dp->start - pos);
-			dispatch_fail_answer(c->srv->dispatch, &fresh, c->out.data + dp->start,
-			                     dp->end - dp->start);
-			pos = dp->end;
+			struct dep dp = c->deps[i];
+			buf_append(&fresh, c->out.data + pos, dp.start - pos);
+			pos = dp.end;
+			if (dp.epoch == d->failures) {
+				/* Made after the failure: it stands, and still waits for its
+				 * commit. */
+				size_t start = fresh.len;
+				buf_append(&fresh, c->out.data + dp.start, dp.end - dp.start);
+				dp.start = start;
+				dp.end = fresh.len;
+				c->deps[k++] = dp;
+				if (dp.seq > wait)
+					wait = dp.seq;
+			} else {
+				dispatch_fail_answer(d, &fresh, c->out.data + dp.start,
+				                     dp.end - dp.start);
+			}
 		}
 		buf_append(&fresh, c->out.data + pos, c->out.len - pos);
 		buf_free(&c->out);
 		c->out = fresh;
 	}
-	c->ndeps = 0;
+	c->ndeps = k;
 	c->nholds = 0;
+	/* server_turn holds those of the turn under way (seq 0); one submitted already holds
+	 * everything up to here until it is written. */
+	if (wait)
+		conn_hold(c, wait);
 	conn_mark_dirty(c);
 }
 

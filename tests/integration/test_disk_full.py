@@ -3,6 +3,7 @@ answered `unavailable` and undone in memory, reads go on, and writes succeed aga
 space returns (persistence.md: acknowledged means stored; nothing half written).
 
 Needs root to mount a small tmpfs for the state directory; skipped otherwise."""
+import json
 import os
 import subprocess
 import tempfile
@@ -141,3 +142,49 @@ def test_disk_full_with_commits_in_flight(daemon_factory, small_fs):
     seen = contents(d.connect())
     assert ok <= seen, sorted(ok - seen)[:5]
     assert not (refused & seen), sorted(refused & seen)[:5]
+
+
+def test_disk_full_mid_turn_answers_match_the_store(daemon_factory, small_fs):
+    """A commit that fails in the middle of a turn (retry_dead_letters first commits the turn
+    so far, in a transaction of its own) undoes what came before it. What the same turn does
+    after it is committed on its own, and answered as such: ok and kept, or unavailable and
+    nowhere; never unavailable and kept (the server used to fail every answer of the turn)."""
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--durability", "process"])
+    c = d.connect()
+    for conv in ("mid-a", "mid-b"):
+        c.ok({"op": "add_user", "conversation": conv, "contents": "before"})
+    # About 64 kB free: the big change's WAL frames fill it and fail; the small change after
+    # it reuses the frames' room.
+    spare = os.path.join(small_fs, "spare")
+    with open(spare, "wb") as f:
+        f.write(b"\2" * 65536)
+    filler = fill(small_fs)
+    os.unlink(spare)
+    lines = [{"id": "big", "op": "add_message", "conversation": "mid-a", "role": "assistant",
+              "contents": "big " + "y" * 150000},
+             {"id": "retry", "op": "retry_dead_letters"},
+             {"id": "small", "op": "add_message", "conversation": "mid-b",
+              "role": "assistant", "contents": "small"}]
+    c.send_raw(b"".join(json.dumps(x).encode() + b"\n" for x in lines))  # one turn
+    big, retry, small = c.recv(), c.recv(), c.recv()
+    assert [big["id"], retry["id"], small["id"]] == ["big", "retry", "small"]
+    assert not big["ok"] and big["error"]["code"] == "unavailable", big
+    # The retry finds the failure or comes after it (nothing to retry either way).
+    assert retry["ok"] or retry["error"]["code"] == "unavailable", retry
+
+    def texts(conn, conv):
+        log = conn.ok({"op": "to_messages_map", "conversation": conv, "incremental": False})
+        return [t for m in log["messages"] for t in m["message"]["contents"]]
+
+    def check(conn):
+        assert not any(t.startswith("big ") for t in texts(conn, "mid-a"))
+        assert ("small" in texts(conn, "mid-b")) == small["ok"], small
+
+    check(c)
+    # The point of the test: the small change had room, was committed, and says so.
+    assert small["ok"], small
+    os.unlink(filler)
+    assert d.stop() == 0, d.log()
+    d.start()
+    check(d.connect())
