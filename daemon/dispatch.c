@@ -397,6 +397,13 @@ static void commit_failed(struct dispatch *d, int rc)
 	store_rollback(d->store);
 	store_progress(d->store, &p);
 	revert_to_store(d, p.committed);
+	/* The transactions after the last one written are void: what their answers wait for
+	 * will never be written. */
+	for (uint64_t n = d->nsubmits > DISPATCH_SUBMITS_KEPT ? d->nsubmits - DISPATCH_SUBMITS_KEPT
+	                                                      : 0;
+	     n < d->nsubmits; n++)
+		if (d->submit_seqs[n % DISPATCH_SUBMITS_KEPT] > p.committed)
+			d->submit_seqs[n % DISPATCH_SUBMITS_KEPT] = DISPATCH_SEQ_VOID;
 	for (size_t i = 0; i < d->nspooled; i++) {
 		if (d->spooled[i].seq && d->spooled[i].seq <= p.committed)
 			d->spooled[k++] = d->spooled[i];
@@ -483,6 +490,7 @@ enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
 		return DISPATCH_COMMIT_FAILED;
 	}
 	d->submitted = seq;
+	d->submit_seqs[d->nsubmits++ % DISPATCH_SUBMITS_KEPT] = seq;
 	for (size_t i = 0; i < d->nspooled; i++)
 		if (!d->spooled[i].seq)
 			d->spooled[i].seq = seq;
@@ -502,6 +510,13 @@ enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
 	/* Written already when the loop wrote it itself (durability process). */
 	dispatch_progress(d);
 	return DISPATCH_COMMIT_SUBMITTED;
+}
+
+uint64_t dispatch_seq_after(const struct dispatch *d, uint64_t n)
+{
+	if (n >= d->nsubmits || d->nsubmits - n > DISPATCH_SUBMITS_KEPT)
+		return 0;
+	return d->submit_seqs[n % DISPATCH_SUBMITS_KEPT];
 }
 
 uint64_t dispatch_hold(const struct dispatch *d)

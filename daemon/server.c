@@ -35,6 +35,7 @@ struct hold {
  * made after it depend on later commits, not on the failed one. */
 struct dep {
 	uint64_t seq, epoch;
+	uint64_t sub; /* the dispatcher's nsubmits when it was made (dispatch_seq_after) */
 	size_t start, end;
 };
 
@@ -200,6 +201,7 @@ static enum dispatch_result conn_dispatch(struct conn *c, const char *line, size
 		}
 		c->deps[c->ndeps].seq = 0;
 		c->deps[c->ndeps].epoch = d->failures;
+		c->deps[c->ndeps].sub = d->nsubmits;
 		c->deps[c->ndeps].start = start;
 		c->deps[c->ndeps].end = c->out.len;
 		c->ndeps++;
@@ -404,13 +406,15 @@ static void conn_flush(struct conn *c)
 	conn_write_prefix(c, c->nholds ? 0 : c->out.len);
 }
 
-/* Holds what the connection has not written until transaction seq is. */
-static void conn_hold(struct conn *c, uint64_t seq)
+/* Holds out[0..end) until transaction seq is written (holds stay in the order of their
+ * seqs: behind a later one, it waits for that one). */
+static void conn_hold_to(struct conn *c, uint64_t seq, size_t end)
 {
 	struct server *s = c->srv;
 
-	if (c->nholds && c->holds[c->nholds - 1].seq == seq) {
-		c->holds[c->nholds - 1].end = c->out.len;
+	if (c->nholds && c->holds[c->nholds - 1].seq >= seq) {
+		if (end > c->holds[c->nholds - 1].end)
+			c->holds[c->nholds - 1].end = end;
 	} else {
 		if (c->nholds == c->capholds) {
 			size_t ncap = c->capholds ? 2 * c->capholds : 4;
@@ -424,7 +428,7 @@ static void conn_hold(struct conn *c, uint64_t seq)
 			c->capholds = ncap;
 		}
 		c->holds[c->nholds].seq = seq;
-		c->holds[c->nholds].end = c->out.len;
+		c->holds[c->nholds].end = end;
 		c->nholds++;
 	}
 	if (!c->on_held) {
@@ -434,9 +438,16 @@ static void conn_hold(struct conn *c, uint64_t seq)
 	}
 }
 
+/* Holds what the connection has not written until transaction seq is. */
+static void conn_hold(struct conn *c, uint64_t seq)
+{
+	conn_hold_to(c, seq, c->out.len);
+}
+
 /* Turns every dependent answer of c not written yet that was made before the last failure
  * (its commit failed, or was void) into `unavailable`, and lets everything go but what the
- * answers made since then wait for. */
+ * answers made since then wait for. An answer of the turn under way whose change a commit
+ * took before the failed one (the flush timer's, retry_dead_letters') is written: it stands. */
 static void conn_fail_deps(struct conn *c)
 {
 	struct dispatch *d = c->srv->dispatch;
@@ -449,9 +460,12 @@ static void conn_fail_deps(struct conn *c)
 	if (c->ndeps) {
 		for (size_t i = 0; i < c->ndeps; i++) {
 			struct dep dp = c->deps[i];
+			uint64_t seq = dp.seq ? dp.seq : dispatch_seq_after(d, dp.sub);
 			buf_append(&fresh, c->out.data + pos, dp.start - pos);
 			pos = dp.end;
-			if (dp.epoch == d->failures) {
+			if (seq && seq != DISPATCH_SEQ_VOID && seq <= d->committed) {
+				buf_append(&fresh, c->out.data + dp.start, dp.end - dp.start);
+			} else if (dp.epoch == d->failures) {
 				/* Made after the failure: it stands, and still waits for its
 				 * commit. */
 				size_t start = fresh.len;
@@ -459,7 +473,7 @@ static void conn_fail_deps(struct conn *c)
 				dp.start = start;
 				dp.end = fresh.len;
 				c->deps[k++] = dp;
-				if (dp.seq > wait)
+				if (dp.seq != DISPATCH_SEQ_VOID && dp.seq > wait)
 					wait = dp.seq;
 			} else {
 				dispatch_fail_answer(d, &fresh, c->out.data + dp.start,
@@ -515,9 +529,25 @@ static void server_turn(struct server *s)
 			next = c->next_dirty;
 			c->dirty = false;
 			c->next_dirty = NULL;
-			/* The turn's dependent answers depend on what was just submitted. */
-			for (size_t i = c->ndeps; i-- > 0 && !c->deps[i].seq;)
-				c->deps[i].seq = hold;
+			/* The turn's dependent answers depend on the transaction handed over first
+			 * after each was made: mostly the one just submitted, but the flush timer
+			 * or a retry_dead_letters may have committed part of the turn before.
+			 * Each is held for its own (one written already too, when something is
+			 * held after it: it goes out at the next release): were it held for a
+			 * later one, that one's failure would turn it into `unavailable` though
+			 * it is written. */
+			size_t first = c->ndeps;
+			while (first > 0 && !c->deps[first - 1].seq)
+				first--;
+			for (size_t i = first; i < c->ndeps; i++) {
+				struct dep *dp = &c->deps[i];
+				uint64_t seq = dispatch_seq_after(s->dispatch, dp->sub);
+				/* (A void one was failed above, when the failure was taken.) */
+				dp->seq = seq && seq != DISPATCH_SEQ_VOID ? seq : hold;
+				if (dp->seq &&
+				    (hold || c->nholds || dp->seq > s->dispatch->committed))
+					conn_hold_to(c, dp->seq, dp->end);
+			}
 			if (hold)
 				conn_hold(c, hold);
 			else if (c->nholds) /* behind what is still held */
