@@ -759,6 +759,9 @@ static void test_close_inflight(uv_loop_t *loop)
 	cl.closed = &closed;
 	uv_timer_init(loop, &t);
 	t.data = &cl;
+	/* 200 ms from now, not from the loop's cached time: under valgrind the set-up above
+	 * took ~50 ms, and the calls were cancelled after 149 ms of their own. */
+	uv_update_time(loop);
 	uv_timer_start(&t, on_close_timer, 200, 0);
 	start = uv_now(loop);
 	uv_run(loop, UV_RUN_DEFAULT);
