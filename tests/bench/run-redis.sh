@@ -333,61 +333,45 @@ stop() {
 	sync
 }
 
-# One run each: the pairs' sides, as functions so that a round can run them in either order.
-a_convod() {
-	start_convod a-process --durability process
-	bench_run a.convod#$round 1
-	stop
-	start_convod a-memory --memory-only
-	bench_run a.convod_memory#$round 1
+# one_convod TAG KEY PIPELINE CONVOD-OPTIONS... and one_redis TAG KEY PIPELINE REDIS-OPTIONS...:
+# a fresh server, one run of this round, the server gone
+one_convod() {
+	otag=$1 okey=$2 opipe=$3
+	shift 3
+	start_convod "$otag" "$@"
+	bench_run "$okey#$round" "$opipe"
 	stop
 }
-a_redis() {
+one_redis() {
 	[ $use_redis = 1 ] || return 0
-	start_redis a --appendonly no
-	redis_run a.redis#$round 1
+	otag=$1 okey=$2 opipe=$3
+	shift 3
+	start_redis "$otag" "$@"
+	redis_run "$okey#$round" "$opipe"
 	stop
 }
+
+# The pairs' sides, as functions so that a round can run them in either order.
+a_convod() {
+	one_convod a-process a.convod 1 --durability process
+	one_convod a-memory a.convod_memory 1 --memory-only
+}
+a_redis() { one_redis a a.redis 1 --appendonly no; }
 b_convod() {
-	start_convod b-process --durability process
-	bench_run b.convod#$round "$PIPELINE"
-	stop
-	start_convod b-memory --memory-only
-	bench_run b.convod_memory#$round "$PIPELINE"
-	stop
+	one_convod b-process b.convod "$PIPELINE" --durability process
+	one_convod b-memory b.convod_memory "$PIPELINE" --memory-only
 }
 b_others() {
 	start_baseline
 	bench_run b.baseline#$round "$PIPELINE"
 	stop
 	baseline_cpu_row
-	[ $use_redis = 1 ] || return 0
-	start_redis b --appendonly no
-	redis_run b.redis#$round "$PIPELINE"
-	stop
+	one_redis b b.redis "$PIPELINE" --appendonly no
 }
-c_process() {
-	start_convod c-process --durability process
-	bench_run c.convod_process#$round 1
-	stop
-}
-c_everysec() {
-	[ $use_redis = 1 ] || return 0
-	start_redis c-everysec --appendonly yes --appendfsync everysec
-	redis_run c.redis_everysec#$round 1
-	stop
-}
-c_machine() {
-	start_convod c-machine --durability machine
-	bench_run c.convod_machine#$round 1
-	stop
-}
-c_always() {
-	[ $use_redis = 1 ] || return 0
-	start_redis c-always --appendonly yes --appendfsync always
-	redis_run c.redis_always#$round 1
-	stop
-}
+c_process() { one_convod c-process c.convod_process 1 --durability process; }
+c_everysec() { one_redis c-everysec c.redis_everysec 1 --appendonly yes --appendfsync everysec; }
+c_machine() { one_convod c-machine c.convod_machine 1 --durability machine; }
+c_always() { one_redis c-always c.redis_always 1 --appendonly yes --appendfsync always; }
 
 # Odd rounds run convod first in each pair, even rounds the other side first, so that a
 # machine whose speed drifts during a pair favours neither side over the rounds.
