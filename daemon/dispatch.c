@@ -82,6 +82,7 @@ void dispatch_free(struct dispatch *d)
 	free(d->spooled);
 	closing_clear(d);
 	free(d->closing);
+	free(d->submit_seqs);
 	registry_free(&d->reg);
 }
 
@@ -399,11 +400,10 @@ static void commit_failed(struct dispatch *d, int rc)
 	revert_to_store(d, p.committed);
 	/* The transactions after the last one written are void: what their answers wait for
 	 * will never be written. */
-	for (uint64_t n = d->nsubmits > DISPATCH_SUBMITS_KEPT ? d->nsubmits - DISPATCH_SUBMITS_KEPT
-	                                                      : 0;
-	     n < d->nsubmits; n++)
-		if (d->submit_seqs[n % DISPATCH_SUBMITS_KEPT] > p.committed)
-			d->submit_seqs[n % DISPATCH_SUBMITS_KEPT] = DISPATCH_SEQ_VOID;
+	for (uint64_t n = d->submits_base; n < d->nsubmits && n - d->submits_base < d->submit_cap;
+	     n++)
+		if (d->submit_seqs[n - d->submits_base] > p.committed)
+			d->submit_seqs[n - d->submits_base] = DISPATCH_SEQ_VOID;
 	for (size_t i = 0; i < d->nspooled; i++) {
 		if (d->spooled[i].seq && d->spooled[i].seq <= p.committed)
 			d->spooled[k++] = d->spooled[i];
@@ -444,6 +444,24 @@ static void closing_add(struct dispatch *d, struct convo *c, uint64_t seq)
 	e->conv_len = c->id_len;
 	e->seq = seq;
 	d->nclosing++;
+}
+
+/* Records the seq of the transaction just handed over (dispatch_seq_after). Without memory
+ * for it, the answers made before it fall back on the turn's last transaction. */
+static void submit_record(struct dispatch *d, uint64_t seq)
+{
+	size_t i = (size_t)(d->nsubmits++ - d->submits_base);
+
+	if (i >= d->submit_cap) {
+		size_t ncap = d->submit_cap ? 2 * d->submit_cap : 16;
+		uint64_t *p =
+		    i == d->submit_cap ? realloc(d->submit_seqs, ncap * sizeof(*p)) : NULL;
+		if (!p)
+			return;
+		d->submit_seqs = p;
+		d->submit_cap = ncap;
+	}
+	d->submit_seqs[i] = seq;
 }
 
 enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
@@ -490,7 +508,7 @@ enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
 		return DISPATCH_COMMIT_FAILED;
 	}
 	d->submitted = seq;
-	d->submit_seqs[d->nsubmits++ % DISPATCH_SUBMITS_KEPT] = seq;
+	submit_record(d, seq);
 	for (size_t i = 0; i < d->nspooled; i++)
 		if (!d->spooled[i].seq)
 			d->spooled[i].seq = seq;
@@ -514,9 +532,14 @@ enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
 
 uint64_t dispatch_seq_after(const struct dispatch *d, uint64_t n)
 {
-	if (n >= d->nsubmits || d->nsubmits - n > DISPATCH_SUBMITS_KEPT)
+	if (n >= d->nsubmits || n < d->submits_base || n - d->submits_base >= d->submit_cap)
 		return 0;
-	return d->submit_seqs[n % DISPATCH_SUBMITS_KEPT];
+	return d->submit_seqs[n - d->submits_base];
+}
+
+void dispatch_turn_done(struct dispatch *d)
+{
+	d->submits_base = d->nsubmits;
 }
 
 uint64_t dispatch_hold(const struct dispatch *d)

@@ -19,7 +19,6 @@
 #include "store.h"
 #include "ulid.h"
 
-#define DISPATCH_SUBMITS_KEPT 64
 #define DISPATCH_SEQ_VOID UINT64_MAX /* dispatch_seq_after: a transaction a failure voided */
 
 /* A spool row written in a transaction, handed to the sink once it is committed. */
@@ -80,10 +79,12 @@ struct dispatch {
 	struct closing *closing;
 	size_t nclosing, capclosing;
 	uint64_t submitted;       /* the last transaction handed to the store's writer */
-	/* Transactions handed over so far, and the seqs of the last DISPATCH_SUBMITS_KEPT of
-	 * them: an answer made after n were is in the next one (dispatch_seq_after). */
-	uint64_t nsubmits;
-	uint64_t submit_seqs[DISPATCH_SUBMITS_KEPT];
+	/* Transactions handed over so far, and the seqs of those handed over since the last
+	 * dispatch_turn_done (the n-th at submit_seqs[n - submits_base]): an answer made after
+	 * n were is in the next one (dispatch_seq_after). */
+	uint64_t nsubmits, submits_base;
+	uint64_t *submit_seqs;
+	size_t submit_cap;
 	uint64_t committed;       /* the last one written (answers up to it may go out) */
 	uint64_t failures;        /* commits failed so far (the server compares) */
 	const char *fail_why;     /* the last failure, for the answers it turns into errors */
@@ -96,12 +97,16 @@ struct dispatch {
 };
 
 /* The transaction that holds the changes made after the n-th handed over (n from
- * d->nsubmits then): its seq, DISPATCH_SEQ_VOID when it failed or a failure voided it, or 0
- * when it is not handed over yet (or too long ago to tell). A turn is mostly one transaction, but
- * the flush timer commits a turn whose answers wait for one more poll, and retry_dead_letters
- * commits the turn so far: the answers made before such a commit must wait for it, not for the
+ * d->nsubmits then, and not before the last dispatch_turn_done): its seq, DISPATCH_SEQ_VOID
+ * when it failed or a failure voided it, or 0 when it is not handed over yet (or could not
+ * be recorded for want of memory). A turn is mostly one transaction, but the flush timer
+ * commits a turn whose answers wait for one more poll, and each retry_dead_letters commits
+ * the turn so far: the answers made before such a commit must wait for it, not for the
  * turn's last. */
 uint64_t dispatch_seq_after(const struct dispatch *d, uint64_t n);
+/* The server knows the transaction of every answer made so far: dispatch_seq_after is not
+ * asked about them again, and their seqs are forgotten. */
+void dispatch_turn_done(struct dispatch *d);
 
 /* Seeds the id generator and hash key from the kernel's randomness. store and sink may be
  * NULL (memory only). 0 or -errno. */

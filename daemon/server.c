@@ -558,6 +558,9 @@ static void server_turn(struct server *s)
 			conn_close_if_done(c);
 		}
 	} while (s->dirty);
+	/* Every answer made so far knows its transaction (a connection that answers is
+	 * dirty until the loop above took it). */
+	dispatch_turn_done(s->dispatch);
 }
 
 /* Writes what waited for transactions up to d->committed. */

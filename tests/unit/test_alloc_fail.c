@@ -659,6 +659,69 @@ out:
 	rmdir(dir);
 }
 
+/* --- the transaction of each answer --------------------------------------------------- */
+
+/* Each retry_dead_letters commits the turn so far in a transaction of its own: an answer
+ * made before it is in that one (dispatch_seq_after), however many such commits the turn
+ * made since. The dispatcher used to keep the seqs of the last 64 only; an older answer
+ * then fell back on the turn's last transaction, and a failure of that one made it
+ * `unavailable` though it was written. Once the server has taken the turn
+ * (dispatch_turn_done) the seqs are forgotten. */
+static void submit_seqs(void)
+{
+	enum { N = 200 };
+	const char *tmp = getenv("TMPDIR");
+	char dir[256], err[256], path[300], line[160];
+	struct store *s = NULL;
+	struct config cfg;
+	struct dispatch d;
+	struct buf out = {NULL, 0, 0};
+	uint64_t subs[N], seqs[N], sub;
+
+	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	CHECK(mkdtemp(dir) != NULL);
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	config_defaults(&cfg);
+	CHECK(dispatch_init(&d, &cfg, s, NULL) == 0);
+	for (int i = 0; i < N; i++) {
+		static const char retry[] = "{\"id\":2,\"op\":\"retry_dead_letters\"}";
+		snprintf(line, sizeof(line),
+		         "{\"id\":1,\"op\":\"add_user\",\"conversation\":\"q\",\"contents\":"
+		         "\"m%d\"}",
+		         i);
+		subs[i] = d.nsubmits;
+		dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+		dispatch_line(&d, retry, strlen(retry), &out, NULL, DISPATCH_REMOTE_CHECK);
+		seqs[i] = d.submitted;
+		CHECK(d.nsubmits == subs[i] + 1 && seqs[i] > (i ? seqs[i - 1] : 0));
+	}
+	CHECK(out.len > 0 && !memmem(out.data, out.len, "\"ok\":false", 10));
+	for (int i = 0; i < N; i++)
+		CHECK(dispatch_seq_after(&d, subs[i]) == seqs[i]);
+	/* Nothing handed over after the last. */
+	CHECK(dispatch_seq_after(&d, d.nsubmits) == 0);
+	dispatch_turn_done(&d);
+	CHECK(dispatch_seq_after(&d, subs[0]) == 0 && dispatch_seq_after(&d, subs[N - 1]) == 0);
+	/* The next turn's. */
+	sub = d.nsubmits;
+	snprintf(line, sizeof(line),
+	         "{\"id\":1,\"op\":\"add_assistant\",\"conversation\":\"q\",\"contents\":"
+	         "\"a\"}");
+	dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+	CHECK(dispatch_commit(&d, false) == DISPATCH_COMMIT_SUBMITTED);
+	CHECK(dispatch_seq_after(&d, sub) == d.submitted && d.submitted > seqs[N - 1]);
+	CHECK(store_sync(s) == 0);
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(&cfg);
+	store_close(s);
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	unlink(path);
+	rmdir(dir);
+}
+
 /* --- restoring a message --------------------------------------------------------------- */
 
 /* A message comes back from the store's packed form (message_unpack) and from a DynamoDB
@@ -776,6 +839,7 @@ int main(void)
 	CHECK(n > total);
 	restore_refused();
 	store_load_refused();
+	submit_seqs();
 	for (size_t i = 0; i < NSTEPS; i++)
 		(free)(expected[i]);
 	return test_done("alloc_fail");
