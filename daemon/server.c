@@ -473,7 +473,7 @@ static void conn_fail_deps(struct conn *c)
 				dp.start = start;
 				dp.end = fresh.len;
 				c->deps[k++] = dp;
-				if (dp.seq != DISPATCH_SEQ_VOID && dp.seq > wait)
+				if (dp.seq > wait) /* (never void: see server_turn) */
 					wait = dp.seq;
 			} else {
 				dispatch_fail_answer(d, &fresh, c->out.data + dp.start,

@@ -1950,14 +1950,14 @@ static void test_dead_count(void)
 	convo_free(c);
 }
 
-/* n commits of one message of text each to c, user and assistant alternating from the
- * first, each submitted and waited for. */
+/* n commits of one message of text each to c, user and assistant alternating (a user
+ * message first in an empty conversation), each submitted and waited for. */
 static void commit_each(struct store *s, struct convo *c, struct convo_env *env, const char *text,
                         int n)
 {
 	for (int i = 0; c && i < n; i++) {
 		uint64_t seq;
-		CHECK(add1(c, env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
+		CHECK(add1(c, env, c->nlog % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
 		CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
 		CHECK(store_submit(s, &seq) == 0);
 		CHECK(store_sync(s) == 0);
@@ -2199,11 +2199,7 @@ static void test_wal_catch_up(void)
 		 * (CI: the first round had not ended when 1,500 commits at process had), and
 		 * the commits go on meanwhile. */
 		while (n < 1500 || (restarts < 3 && n < 6000 && now_s() - t0 < 60)) {
-			uint64_t seq;
-			CHECK(add1(c, &env, n % 2 ? ROLE_ASSISTANT : ROLE_USER, text));
-			CHECK(store_begin(s) == 0 && put_pending(s, c) == 1);
-			CHECK(store_submit(s, &seq) == 0);
-			CHECK(store_sync(s) == 0);
+			commit_each(s, c, &env, text, 1);
 			n++;
 			store_stats(s, &st);
 			restarts += st.wal_pages < last;
