@@ -16,6 +16,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -883,7 +884,6 @@ static void test_bad_files(void)
 	CHECK_OPEN_FAILS(dir, -ENOTDIR, "not a directory");
 }
 
-/* How many rows a table holds, read with SQLite directly; -1 on failure. */
 /* The first column of the first row of query q, read with SQLite directly; -1 on failure. */
 static int64_t query_int(const char *dir, const char *q)
 {
@@ -900,11 +900,19 @@ static int64_t query_int(const char *dir, const char *q)
 	return n;
 }
 
+/* How many rows a table holds, read with SQLite directly; -1 on failure. */
 static int64_t count_rows(const char *dir, const char *table)
 {
 	char q[64];
 	snprintf(q, sizeof(q), "SELECT count(*) FROM %s", table);
 	return query_int(dir, q);
+}
+
+/* Rows in the journal's two tables. */
+static int64_t count_batches(const char *dir)
+{
+	return query_int(dir, "SELECT (SELECT count(*) FROM batches) +"
+	                      " (SELECT count(*) FROM batches1)");
 }
 
 /* Copies from/name to to/name. 0 or -1. */
@@ -1084,10 +1092,10 @@ static void test_journal(void)
 	store_set_fold_records(s, 16384);
 	c = small(&env, "j", 2);
 	CHECK(save(s, c) == 2);
-	CHECK(count_rows(dir, "batches") == 1 && count_rows(dir, "segments") == 0);
+	CHECK(count_batches(dir) == 1 && count_rows(dir, "segments") == 0);
 	set_metadata(c, &env, 0, "{\"playStart\":1744815823100}", NULL); /* version 2 */
 	CHECK(save(s, c) == 1);
-	CHECK(count_rows(dir, "batches") == 2);
+	CHECK(count_batches(dir) == 2);
 	/* Pending records merged: the newest version of message 0 wins. */
 	CHECK(store_load_conversation(s, "j", 1, &l) == 0 && l);
 	CHECK_SAME(c, l);
@@ -1129,7 +1137,7 @@ static void test_journal(void)
 		long n_saved = save(s, big);
 		CHECK(n_saved == (t % 7 == 0 && t > 0 ? 101 : 100));
 		sum += n_saved > 0 ? (uint64_t)n_saved : 0;
-		int64_t n = count_rows(dir, "batches");
+		int64_t n = count_batches(dir);
 		if (n > most)
 			most = n;
 		if (t >= 170 && n < least_after)
@@ -1164,7 +1172,7 @@ static void test_journal(void)
 	CHECK(store_message_get(s, "big", 3, sk, &map, &v, &u) == 0 && v == 1);
 	CHECK(same_json(map, message_to_map(big->log[100])));
 	store_close(s); /* folds */
-	CHECK(count_rows(dir, "batches") == 0);
+	CHECK(count_batches(dir) == 0);
 
 	/* A crash leaves rows in the journal: the next start folds them before loading. The
 	 * crash is the files copied while the store is open, after a commit (no fork: under
@@ -1178,14 +1186,14 @@ static void test_journal(void)
 		set_metadata(c, &env, 1, NULL, "{\"crash\":true}");
 		add1(c, &env, ROLE_USER, "after");
 		CHECK(save(s, c) == 2);
-		CHECK(count_rows(dir, "batches") == 1);
+		CHECK(count_batches(dir) == 1);
 		CHECK(copy_file(dir, crash, "convod.db") == 0);
 		CHECK(copy_file(dir, crash, "convod.db-wal") == 0);
 		store_close(s);
 	}
-	CHECK(count_rows(crash, "batches") == 1);
+	CHECK(count_batches(crash) == 1);
 	if ((s = open_store(crash))) {
-		CHECK(count_rows(crash, "batches") == 0);
+		CHECK(count_batches(crash) == 0);
 		memset(&k, 0, sizeof(k));
 		CHECK(store_load_open(s, collect_cb, &k) == 0 && k.n == 2 &&
 		      k.messages == big->nlog + 3);
@@ -1232,8 +1240,8 @@ static void test_journal(void)
 }
 
 /* Rewrites the rows of table (segments or batches) of the store in dir as convod wrote
- * them before schema 4: each packed record as a record of its JSON map. Returns the
- * records rewritten, -1 on failure. */
+ * them before schema 4: each packed record as a record of its JSON map, the batches in one
+ * table (schema 5 added batches1). Returns the records rewritten, -1 on failure. */
 static long unpack_rows(const char *dir, const char *table)
 {
 	char path[160], q[96];
@@ -1244,6 +1252,10 @@ static long unpack_rows(const char *dir, const char *table)
 
 	snprintf(path, sizeof(path), "%s/convod.db", dir);
 	if (sqlite3_open(path, &db) != SQLITE_OK)
+		goto fail;
+	if (sqlite3_exec(db, "SELECT 1 FROM batches1 LIMIT 0", NULL, NULL, NULL) == SQLITE_OK &&
+	    sqlite3_exec(db, "INSERT INTO batches SELECT * FROM batches1; DROP TABLE batches1",
+	                 NULL, NULL, NULL) != SQLITE_OK)
 		goto fail;
 	snprintf(q, sizeof(q), "SELECT seq, data FROM %s", table);
 	if (sqlite3_prepare_v2(db, q, -1, &rd, NULL) != SQLITE_OK)
@@ -1346,7 +1358,68 @@ static void test_schema3(void)
 		convo_free(l2);
 		l = l2 = NULL;
 		store_close(s);
-		CHECK(query_int(d, "PRAGMA user_version") == 4);
+		CHECK(query_int(d, "PRAGMA user_version") == 5);
+	}
+	convo_free(c);
+}
+
+/* Schema 4 files (one table of batches) are upgraded: the second table is added, and the
+ * batches a crash left are folded as before. */
+static void test_schema4(void)
+{
+	struct convo_env env;
+	struct store *s;
+	struct convo *c, *l = NULL;
+	char dir[2][128], sk[DDBITEM_SK_MAX + 1];
+	json_t *map = NULL;
+	uint32_t v = 0;
+	int64_t u;
+
+	env_init(&env, T0);
+	make_dir(dir[0], sizeof(dir[0]), "schema-4");
+	make_dir(dir[1], sizeof(dir[1]), "schema-4-crash");
+	if (!(s = open_store(dir[0])))
+		return;
+	c = small(&env, "s4", 4);
+	CHECK(save(s, c) == 4);
+	set_metadata(c, &env, 2, NULL, "{\"v\":2}");
+	CHECK(save(s, c) == 1);
+	CHECK(copy_file(dir[0], dir[1], "convod.db") == 0);
+	CHECK(copy_file(dir[0], dir[1], "convod.db-wal") == 0);
+	store_close(s);
+	for (int k = 0; k < 2; k++) {
+		CHECK(sql(dir[k], "INSERT INTO batches SELECT * FROM batches1; DROP TABLE batches1;"
+		                  "PRAGMA user_version=4") == SQLITE_OK);
+		CHECK(count_rows(dir[k], "batches") == (k ? 2 : 0));
+		capture_begin();
+		s = open_store(dir[k]);
+		char *log = capture_end();
+		CHECK(log && strstr(log, "upgraded from schema 4 to 5"));
+		free(log);
+		if (!s)
+			continue;
+		CHECK(query_int(dir[k], "PRAGMA user_version") == 5);
+		CHECK(count_batches(dir[k]) == 0 && count_rows(dir[k], "segments") == 1);
+		CHECK(store_load_conversation(s, "s4", 2, &l) == 0 && l);
+		CHECK_SAME(c, l);
+		convo_free(l);
+		l = NULL;
+		sort_key_of(c->log[2], sk);
+		CHECK(store_message_get(s, "s4", 2, sk, &map, &v, &u) == 0 && v == 2);
+		CHECK(same_json(map, message_to_map(c->log[2])));
+		/* And it writes to both tables in turns. */
+		store_set_idle_fold(s, false);
+		store_set_fold_records(s, 1);
+		l = small(&env, k ? "more1" : "more0", 10);
+		for (int i = 0; i < 2; i++) {
+			forget_store(l);
+			CHECK(save(s, l) == 10);
+		}
+		convo_free(l);
+		l = NULL;
+		CHECK(count_rows(dir[k], "batches") == 1 && count_rows(dir[k], "batches1") == 1);
+		store_close(s);
+		CHECK(count_batches(dir[k]) == 0);
 	}
 	convo_free(c);
 }
@@ -1478,7 +1551,8 @@ static void test_bad_rows(void)
 		CHECK(copy_file(dir, crash, "convod.db") == 0);
 		CHECK(copy_file(dir, crash, "convod.db-wal") == 0);
 		store_close(s);
-		CHECK(sql(crash, "UPDATE batches SET data = substr(data, 1, length(data) - 10)") ==
+		CHECK(sql(crash, "UPDATE batches SET data = substr(data, 1, length(data) - 10);"
+		                 "UPDATE batches1 SET data = substr(data, 1, length(data) - 10)") ==
 		      SQLITE_OK);
 		capture_begin();
 		s = open_store(crash);
@@ -1698,14 +1772,14 @@ static void test_async(void)
 
 	/* Idle: the writer folds what is pending (the journal empties), in its own time, and
 	 * then the WAL is checkpointed (far below the size that starts one otherwise). */
-	CHECK(count_rows(dir, "batches") > 0);
+	CHECK(count_batches(dir) > 0);
 	CHECK(store_begin(s) == 0 && store_idle(s) == -EINVAL);
 	store_rollback(s);
 	uint64_t rounds = store_checkpoints(s);
 	CHECK(store_idle(s) == 0);
-	for (int t = 0; t < 200 && count_rows(dir, "batches") != 0; t++)
+	for (int t = 0; t < 200 && count_batches(dir) != 0; t++)
 		usleep(10000);
-	CHECK(count_rows(dir, "batches") == 0);
+	CHECK(count_batches(dir) == 0);
 	for (int t = 0; t < 200 && store_checkpoints(s) == rounds; t++)
 		usleep(10000);
 	CHECK(store_checkpoints(s) > rounds);
@@ -1842,17 +1916,18 @@ static void test_cohort(void)
 		convo_free(c[i]);
 }
 
-/* A fold cycle's batches are deleted after it ends, a few per commit or idle step of the
- * writer, oldest first; a crash before they are gone leaves the newest batches, which the
- * next start folds again, into segments after those that already hold them: the newest
- * version still wins, and no message is doubled. */
+/* A fold cycle's batches are deleted after it ends, by the next commit or idle step of the
+ * writer; a crash before they are gone leaves the newest batches, which the next start
+ * folds again, into segments after those that already hold them: the newest version still
+ * wins, and no message is doubled. The batches replayed here lie in both tables, the older
+ * one in the second: the start reads them in the order they were committed. */
 static void test_dead_batches(void)
 {
 	struct convo_env env;
 	struct store *s;
 	struct convo *c, *l = NULL;
 	struct collect k;
-	char dir[128], old[128], q[384], sk[DDBITEM_SK_MAX + 1];
+	char dir[128], old[128], q[640], sk[DDBITEM_SK_MAX + 1];
 	json_t *map = NULL;
 	uint32_t v = 0;
 	int64_t u;
@@ -1866,18 +1941,23 @@ static void test_dead_batches(void)
 	CHECK(save(s, c) == 4);
 	set_metadata(c, &env, 0, NULL, "{\"again\":true}"); /* version 2 */
 	CHECK(save(s, c) == 1);
-	CHECK(count_rows(dir, "batches") == 2);
+	CHECK(count_batches(dir) == 2);
 	/* Both batches, as a crash after their cycle ended would leave them. */
 	CHECK(copy_file(dir, old, "convod.db") == 0);
 	CHECK(copy_file(dir, old, "convod.db-wal") == 0);
 	store_close(s); /* folds both and deletes them */
-	CHECK(count_rows(dir, "batches") == 0 && count_rows(dir, "segments") == 1);
+	CHECK(count_batches(dir) == 0 && count_rows(dir, "segments") == 1);
 	snprintf(q, sizeof(q),
-	         "ATTACH '%s/convod.db' AS o; INSERT INTO batches SELECT * FROM o.batches", old);
+	         "ATTACH '%s/convod.db' AS o;"
+	         "CREATE TEMP VIEW b AS SELECT * FROM o.batches UNION ALL SELECT * FROM o.batches1;"
+	         "INSERT INTO batches1 SELECT * FROM b ORDER BY seq LIMIT 1;"
+	         "INSERT INTO batches SELECT * FROM b ORDER BY seq LIMIT -1 OFFSET 1",
+	         old);
 	CHECK(sql(dir, q) == SQLITE_OK);
-	CHECK(count_rows(dir, "batches") == 2);
+	CHECK(count_rows(dir, "batches") == 1 && count_rows(dir, "batches1") == 1);
+	CHECK(query_int(dir, "SELECT (SELECT seq FROM batches1) < (SELECT seq FROM batches)") == 1);
 	if ((s = open_store(dir))) {
-		CHECK(count_rows(dir, "batches") == 0 && count_rows(dir, "segments") == 2);
+		CHECK(count_batches(dir) == 0 && count_rows(dir, "segments") == 2);
 		memset(&k, 0, sizeof(k));
 		CHECK(store_load_open(s, collect_cb, &k) == 0 && k.n == 1 && k.messages == 4);
 		CHECK(store_load_conversation(s, "d", 1, &l) == 0 && l);
@@ -1893,9 +1973,10 @@ static void test_dead_batches(void)
 
 /* store_stats' dead_batches: the journal rows of ended fold cycles not deleted yet. With the
  * writer's fold between jobs off, cycles start and end inside commits (once 4 cycles' worth
- * is pending), and each commit first deletes 3 of those rows (STORE_DEAD_PER_JOB): the
- * journal table shrinks exactly as the count said, the count grows by a cycle's batches
- * when one ends, and an idle store deletes them all. */
+ * is pending; one conversation, so a cycle is one step), and the first commit after a cycle
+ * ended empties that cycle's table: the journal loses all the rows the count said at once,
+ * the count grows by a cycle's batches when one ends, the two tables take turns (one holds
+ * the ended cycle's batches, the other the commit's), and an idle store empties both. */
 static void test_dead_count(void)
 {
 	struct convo_env env;
@@ -1905,6 +1986,7 @@ static void test_dead_count(void)
 	char dir[128];
 	uint64_t dead = 0, most = 0, cycles = 0, ended = 0;
 	int64_t rows = 0;
+	int last_table = -1;
 
 	env_init(&env, T0);
 	make_dir(dir, sizeof(dir), "dead-count");
@@ -1914,17 +1996,23 @@ static void test_dead_count(void)
 	store_set_fold_records(s, 40);
 	c = small(&env, "dc", 0);
 	for (int t = 0; c && t < 120; t++) {
-		uint64_t gone = dead < 3 ? dead : 3;
 		for (int i = 0; i < 10; i++)
 			CHECK(add1(c, &env, i % 2 ? ROLE_ASSISTANT : ROLE_USER, "x"));
 		CHECK(save(s, c) == 10);
-		int64_t n = count_rows(dir, "batches");
+		int64_t n = count_batches(dir), n0 = count_rows(dir, "batches"),
+		        n1 = count_rows(dir, "batches1");
 		store_stats(s, &st);
-		CHECK(n == rows + 1 - (int64_t)gone); /* one batch written, gone deleted */
+		CHECK(n == rows + 1 - (int64_t)dead); /* one batch written, the dead ones gone */
 		if (st.fold_cycles == cycles) {
-			CHECK(st.dead_batches == dead - gone);
+			CHECK(st.dead_batches == 0);
 		} else {
-			CHECK(st.fold_cycles == cycles + 1 && st.dead_batches > dead - gone);
+			int table = n0 == (int64_t)st.dead_batches ? 0 : 1;
+			CHECK(st.fold_cycles == cycles + 1 && st.dead_batches > 0);
+			/* The ended cycle's table, and the other one with this commit's batch. */
+			CHECK((table == 0 && n1 == 1) ||
+			      (n1 == (int64_t)st.dead_batches && n0 == 1));
+			CHECK(table != last_table);
+			last_table = table;
 			ended++;
 		}
 		CHECK(st.dead_batches <= (uint64_t)n);
@@ -1941,13 +2029,131 @@ static void test_dead_count(void)
 	CHECK(store_idle(s) == 0);
 	for (int t = 0; t < 500; t++) {
 		store_stats(s, &st);
-		if (st.dead_batches == 0 && st.pending == 0 && count_rows(dir, "batches") == 0)
+		if (st.dead_batches == 0 && st.pending == 0 && count_batches(dir) == 0)
 			break;
 		usleep(10000);
 	}
-	CHECK(st.dead_batches == 0 && st.pending == 0 && count_rows(dir, "batches") == 0);
+	CHECK(st.dead_batches == 0 && st.pending == 0 && count_batches(dir) == 0);
 	store_close(s);
 	convo_free(c);
+}
+
+/* Fills the file system of dir with a file named filler (written until it fails). */
+static void fill_fs(const char *dir)
+{
+	char path[192], chunk[4096];
+	int fd;
+
+	memset(chunk, 1, sizeof(chunk));
+	snprintf(path, sizeof(path), "%s/filler", dir);
+	if ((fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600)) < 0)
+		return;
+	while (write(fd, chunk, sizeof(chunk)) > 0)
+		;
+	close(fd);
+}
+
+/* A start on a full disk after a crash that left batches in both tables (those of an ended
+ * cycle and the next one's): they stay pending, reads see them. Once there is room, the
+ * first cycle takes both tables' batches; the commit that starts it finds no table free for
+ * its batch, so it finishes that cycle and empties both (batch_table). Every message is
+ * there, in its newest version, after another crash and after a clean stop. A 1 MB tmpfs is
+ * the full disk: skipped without the right to mount one. */
+static void test_full_start(void)
+{
+	struct convo_env env;
+	struct store *s;
+	struct convo *c[3], *l = NULL;
+	struct store_stats st0, st;
+	const char *names[] = {"convod.db", "convod.db-wal", "convod.db-shm"};
+	char dir[128], fs[128], crash[128], path[192], sk[DDBITEM_SK_MAX + 1];
+	json_t *map = NULL;
+	uint32_t v = 0;
+	int64_t u;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "full-start");
+	make_dir(fs, sizeof(fs), "full-start-fs");
+	make_dir(crash, sizeof(crash), "full-start-crash");
+	if (mount("tmpfs", fs, "tmpfs", 0, "size=1m") < 0) {
+		printf("full start: skipped, cannot mount a tmpfs: %s\n", strerror(errno));
+		return;
+	}
+	if (!(s = open_store(dir)))
+		goto out;
+	/* Cycles start in a commit once 4 records are pending, and fold at least 64 records a
+	 * step: "a" (70 records) is one step, "a" and "b" together two. */
+	store_set_idle_fold(s, false);
+	store_set_fold_records(s, 1);
+	c[0] = small(&env, "a", 70);
+	c[1] = small(&env, "b", 2);
+	c[2] = small(&env, "c", 2);
+	CHECK(save(s, c[0]) == 70);
+	set_metadata(c[1], &env, 1, NULL, "{\"v\":2}"); /* version 2 of b's answer */
+	CHECK(save(s, c[1]) == 2); /* a's cycle starts and ends; b's batch in the other table */
+	store_stats(s, &st);
+	CHECK(st.fold_cycles == 1 && st.dead_batches == 1 && st.pending == 2);
+	CHECK(count_rows(dir, "batches") == 1 && count_rows(dir, "batches1") == 1);
+	for (int i = 0; i < 3; i++)
+		CHECK(copy_file(dir, fs, names[i]) == 0);
+	store_close(s);
+
+	/* The crash's files on a full disk: the start cannot fold them. */
+	fill_fs(fs);
+	capture_begin();
+	s = open_store(fs);
+	char *log = capture_end();
+	CHECK(s != NULL);
+	CHECK(log && strstr(log, "the disk is full"));
+	free(log);
+	if (!s)
+		goto out;
+	CHECK(count_rows(fs, "batches") == 1 && count_rows(fs, "batches1") == 1);
+	for (int i = 0; i < 2; i++) {
+		CHECK(store_load_conversation(s, c[i]->id, 1, &l) == 0 && l);
+		CHECK_SAME(c[i], l);
+		convo_free(l);
+		l = NULL;
+	}
+
+	/* Room again. */
+	snprintf(path, sizeof(path), "%s/filler", fs);
+	CHECK(unlink(path) == 0);
+	store_set_idle_fold(s, false);
+	store_set_fold_records(s, 1);
+	store_stats(s, &st0);
+	CHECK(st0.pending == 72 && st0.fold_cycles == 0);
+	CHECK(save(s, c[2]) == 2);
+	store_stats(s, &st);
+	CHECK(st.fold_cycles == 1 && st.fold_records == 72 && st.pending == 2);
+	CHECK(st.dead_batches == 0);
+	CHECK(count_rows(fs, "batches") == 1 && count_rows(fs, "batches1") == 0);
+	CHECK(count_rows(fs, "segments") == 3); /* a's again */
+
+	/* Another crash, then a clean stop. */
+	for (int i = 0; i < 2; i++)
+		CHECK(copy_file(fs, crash, names[i]) == 0);
+	store_close(s);
+	CHECK(count_batches(fs) == 0);
+	for (int k = 0; k < 2; k++) {
+		if (!(s = open_store(k ? fs : crash)))
+			continue;
+		CHECK(count_batches(k ? fs : crash) == 0);
+		for (int i = 0; i < 3; i++) {
+			CHECK(store_load_conversation(s, c[i]->id, 1, &l) == 0 && l);
+			CHECK_SAME(c[i], l);
+			convo_free(l);
+			l = NULL;
+		}
+		sort_key_of(c[1]->log[1], sk);
+		CHECK(store_message_get(s, "b", 1, sk, &map, &v, &u) == 0 && v == 2);
+		CHECK(same_json(map, message_to_map(c[1]->log[1])));
+		store_close(s);
+	}
+	for (int i = 0; i < 3; i++)
+		convo_free(c[i]);
+out:
+	umount2(fs, MNT_DETACH);
 }
 
 /* n commits of one message of text each to c, user and assistant alternating (a user
@@ -2341,7 +2547,9 @@ int main(void)
 	test_journal();
 	test_dead_batches();
 	test_dead_count();
+	test_full_start();
 	test_schema3();
+	test_schema4();
 	test_bad_files();
 	test_bad_rows();
 	test_unwritable();
