@@ -1812,9 +1812,9 @@ static int write_jobs(struct store *s, struct job *jobs)
 			rc = op_apply(s, &o);
 		}
 	}
-	/* The table of the last cycle's batches is emptied by the first commit after its end
-	 * (unless the writer did it first), apart from the cycle's last step and the next
-	 * cycle's start, each a longer commit too. */
+	/* The table of the last cycle's batches is emptied by the first commit after the one
+	 * that ended the cycle (unless the writer's idle step came first): not by that commit,
+	 * already a long one. */
 	if (!rc)
 		rc = clear_dead(s);
 	/* The fold runs while the writer has nothing to write (fold_idle); in a commit only
