@@ -25,6 +25,13 @@ cpu_ticks() {
 	sed -n 's/^.*) //p' "/proc/$1/stat" 2>/dev/null | awk '{ print $12 + $13 }'
 }
 
+# disk_bytes PID: the bytes process PID (all its threads) has had written to storage so far
+# (write_bytes of /proc/PID/io: counted as it dirties page-cache pages, so a page written
+# again before its writeback counts once), or nothing when it has gone.
+disk_bytes() {
+	sed -n 's/^write_bytes: //p' "/proc/$1/io" 2>/dev/null
+}
+
 # bench_need PROGRAM...: exits 2 unless each is an executable.
 bench_need() {
 	for f in "$@"; do

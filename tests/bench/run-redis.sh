@@ -35,7 +35,10 @@
 # and calibration; kernel threads' work for a server's I/O counts for neither side. Unlike
 # req/s, these hardly move with what else the 2 cores run, so they show where a ratio comes
 # from: the server's cost, or the generator's. json-baseline tells its requests only in the
-# line it logs as it exits: its row is written after it stopped (baseline_cpu_row).
+# line it logs as it exits: its row is written after it stopped (baseline_cpu_row). The
+# table also gives the bytes each server had written to storage a request (/proc/PID/io
+# write_bytes: its WAL, database or AOF), the work the kernel's writeback threads then do
+# on the same 2 cores.
 #
 # usage: tests/bench/run-redis.sh [options] [BUILD]     (BUILD defaults to "build")
 #   --duration SEC     measured seconds per run (DURATION, 5)
@@ -192,6 +195,7 @@ bench_run() {
 	echo "run-redis: $key ..." >&2
 	rc=0
 	ticks0=$(cpu_ticks "$server_pid")
+	disk0=$(disk_bytes "$server_pid")
 	served0=$(served)
 	times >"$dir/times0"
 	# shellcheck disable=SC2086
@@ -234,18 +238,24 @@ served() {
 
 # cpu_row KEY TICKS0 SERVED0 SERVED1: a row of the CPU time the server (all its threads, from
 # TICKS0 on) and the load generator (the shell's children since times0) took for the
-# requests from SERVED0 to SERVED1 (warmup and calibration included on both sides); a
-# figure missing, no row. `times` writes to a file: in a command substitution it would be a new
-# process's, with no children.
+# requests from SERVED0 to SERVED1 (warmup and calibration included on both sides), and of
+# the bytes the server had written to storage since disk0 (empty when unknown); a CPU
+# figure missing, no row. `times` writes to a file: in a command substitution it would be a
+# new process's, with no children.
 cpu_row() {
 	ticks1=$(cpu_ticks "$server_pid")
+	disk1=$(disk_bytes "$server_pid")
 	times >"$dir/times1"
 	gen1=$(children_cpu "$dir/times1")
 	gen0=$(children_cpu "$dir/times0")
+	disk=
+	if [ -n "$disk0" ] && [ -n "$disk1" ]; then
+		disk=$((disk1 - disk0))
+	fi
 	if [ -n "$2" ] && [ -n "$ticks1" ] && [ -n "$3" ] && [ -n "$4" ] && [ -n "$gen0" ] &&
 		[ -n "$gen1" ]; then
-		printf '%s\tcpu\t%s,%s,%s - %s\n' "$1" "$((ticks1 - $2))" "$(($4 - $3))" "$gen1" \
-			"$gen0" >>"$dir/results"
+		printf '%s\tcpu\t%s,%s,%s - %s,%s\n' "$1" "$((ticks1 - $2))" "$(($4 - $3))" "$gen1" \
+			"$gen0" "$disk" >>"$dir/results"
 	fi
 }
 
@@ -261,7 +271,7 @@ baseline_cpu_row() {
 	gen0=$(children_cpu "$dir/times0")
 	if [ $# -eq 3 ] && [ -n "$3" ] && [ -n "$n" ] && [ "$n" -gt 0 ] && [ -n "$gen0" ] &&
 		[ -n "$gen1" ]; then
-		printf '%s\tcpu\t%s,%s,%s - %s\n' "$1" "$(($3 - $2))" "$n" "$gen1" "$gen0" \
+		printf '%s\tcpu\t%s,%s,%s - %s,\n' "$1" "$(($3 - $2))" "$n" "$gen1" "$gen0" \
 			>>"$dir/results"
 	fi
 }
@@ -301,6 +311,7 @@ redis_run() {
 			n=$(awk -v r="$rps" -v d="$DURATION" -v c="$CONNECTIONS" -v p="$2" \
 				'BEGIN { n = int(r * d); if (n < c * p) n = c * p; print n }')
 			ticks0=$(cpu_ticks "$server_pid")
+			disk0=$(disk_bytes "$server_pid")
 			times >"$dir/times0"
 			measured=$(redis_csv "$n" "$2")
 			[ -z "$measured" ] || cpu_row "$key" "$ticks0" 0 "$n"
@@ -409,17 +420,18 @@ import json, sys
 nrounds = int(nrounds)
 clk_tck = float(clk_tck)
 runs = {}  # "a.convod#2" -> the run's figures (dict) or why it has none (str)
-cpu = {}   # "a.convod#2" -> (server us, load generator us) of CPU a request
+cpu = {}   # "a.convod#2" -> (server us, load generator us) of CPU a request, disk bytes or None
 order = []
 for raw in open(path):
     key, kind, payload = raw.rstrip("\n").split("\t", 2)
     if kind == "cpu":
-        # server ticks, requests, "load generator s after - before"
+        # server ticks, requests, "load generator s after - before", bytes to storage or ""
         f = payload.split(",")
         n = int(f[1])
         after, before = (float(x) for x in f[2].split(" - "))
         if n > 0:
-            cpu[key] = (int(f[0]) / clk_tck * 1e6 / n, (after - before) * 1e6 / n)
+            cpu[key] = (int(f[0]) / clk_tck * 1e6 / n, (after - before) * 1e6 / n,
+                        int(f[3]) / n if len(f) > 3 and f[3] else None)
         continue
     order.append(key)
     if kind == "bench":
@@ -533,18 +545,21 @@ names = {
 }
 print()
 print("CPU a request, in us (medians of the rounds): the server's, all its threads, and the load")
-print("generator's; warmup and calibration included, kernel threads' I/O work not")
-head = "%-41s %12s %12s %12s %12s" % ("pair", "convod srv", "other srv", "convod gen",
-                                     "other gen")
+print("generator's; warmup and calibration included, kernel threads' I/O work not; and the")
+print("bytes a request the server had written to storage (/proc/PID/io write_bytes)")
+head = "%-41s %10s %10s %10s %10s %8s %8s" % ("pair", "convod srv", "other srv", "convod gen",
+                                             "other gen", "convod B", "other B")
 print(head)
 print("-" * len(head))
 for label, ck, ok_, target in pairs:
     row = []
-    for side in (0, 1):
+    for side in (0, 1, 2):
         for key in (ck, ok_):
             v = [cpu["%s#%d" % (key, k)][side] for k in rounds if "%s#%d" % (key, k) in cpu]
-            row.append("%.1f" % median(v) if len(v) == nrounds else "-")
-    print("%-41s %12s %12s %12s %12s" % (label, row[0], row[1], row[2], row[3]))
+            v = [x for x in v if x is not None]
+            row.append(("%.0f" if side == 2 else "%.1f") % median(v) if len(v) == nrounds
+                       else "-")
+    print("%-41s %10s %10s %10s %10s %8s %8s" % ((label,) + tuple(row)))
 print()
 head = "%-29s %10s %10s %9s %9s %9s %9s %7s" % ("run", "requests", "req/s", "p50 us", "p99 us",
                                                "p99.9 us", "max us", "errors")
