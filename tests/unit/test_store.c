@@ -2056,14 +2056,16 @@ static void fill_fs(const char *dir)
 /* A start on a full disk after a crash that left batches in both tables (those of an ended
  * cycle and the next one's): they stay pending, reads see them. Once there is room, the
  * first cycle takes both tables' batches; the commit that starts it finds no table free for
- * its batch, so it finishes that cycle and empties both (batch_table). Every message is
- * there, in its newest version, after another crash and after a clean stop. A 1 MB tmpfs is
- * the full disk: skipped without the right to mount one. */
+ * its batch, so it finishes that cycle and empties both (batch_table). A commit that would
+ * empty a dead table on a full disk fails and leaves that table and its count as they were;
+ * the same commit goes through once there is room. Every message is there, in its newest
+ * version, after another crash and after a clean stop. A 1 MB tmpfs is the full disk:
+ * skipped without the right to mount one. */
 static void test_full_start(void)
 {
 	struct convo_env env;
 	struct store *s;
-	struct convo *c[3], *l = NULL;
+	struct convo *c[5], *l = NULL;
 	struct store_stats st0, st;
 	const char *names[] = {"convod.db", "convod.db-wal", "convod.db-shm"};
 	char dir[128], fs[128], crash[128], path[192], sk[DDBITEM_SK_MAX + 1];
@@ -2088,6 +2090,8 @@ static void test_full_start(void)
 	c[0] = small(&env, "a", 70);
 	c[1] = small(&env, "b", 2);
 	c[2] = small(&env, "c", 2);
+	c[3] = small(&env, "d", 2);
+	c[4] = small(&env, "e", 2);
 	CHECK(save(s, c[0]) == 70);
 	set_metadata(c[1], &env, 1, NULL, "{\"v\":2}"); /* version 2 of b's answer */
 	CHECK(save(s, c[1]) == 2); /* a's cycle starts and ends; b's batch in the other table */
@@ -2130,6 +2134,25 @@ static void test_full_start(void)
 	CHECK(count_rows(fs, "batches") == 1 && count_rows(fs, "batches1") == 0);
 	CHECK(count_rows(fs, "segments") == 3); /* a's again */
 
+	/* d joins c's table; e's commit folds both, its batch goes to the other table. */
+	CHECK(save(s, c[3]) == 2 && save(s, c[4]) == 2);
+	store_stats(s, &st);
+	CHECK(st.fold_cycles == 2 && st.dead_batches == 2);
+	CHECK(count_rows(fs, "batches") == 2 && count_rows(fs, "batches1") == 1);
+	/* The next commit would empty the dead table: not on a full disk. */
+	fill_fs(fs);
+	set_metadata(c[4], &env, 0, NULL, "{\"v\":2}");
+	CHECK(save(s, c[4]) < 0);
+	store_stats(s, &st);
+	CHECK(st.dead_batches == 2);
+	CHECK(count_rows(fs, "batches") == 2 && count_rows(fs, "batches1") == 1);
+	CHECK(unlink(path) == 0);
+	forget_store(c[4]);
+	CHECK(save(s, c[4]) == 2);
+	store_stats(s, &st);
+	CHECK(st.dead_batches == 0 && st.fold_cycles == 2);
+	CHECK(count_rows(fs, "batches") == 0 && count_rows(fs, "batches1") == 2);
+
 	/* Another crash, then a clean stop. */
 	for (int i = 0; i < 2; i++)
 		CHECK(copy_file(fs, crash, names[i]) == 0);
@@ -2139,7 +2162,7 @@ static void test_full_start(void)
 		if (!(s = open_store(k ? fs : crash)))
 			continue;
 		CHECK(count_batches(k ? fs : crash) == 0);
-		for (int i = 0; i < 3; i++) {
+		for (int i = 0; i < 5; i++) {
 			CHECK(store_load_conversation(s, c[i]->id, 1, &l) == 0 && l);
 			CHECK_SAME(c[i], l);
 			convo_free(l);
@@ -2148,9 +2171,12 @@ static void test_full_start(void)
 		sort_key_of(c[1]->log[1], sk);
 		CHECK(store_message_get(s, "b", 1, sk, &map, &v, &u) == 0 && v == 2);
 		CHECK(same_json(map, message_to_map(c[1]->log[1])));
+		sort_key_of(c[4]->log[0], sk);
+		CHECK(store_message_get(s, "e", 1, sk, &map, &v, &u) == 0 && v == 2);
+		CHECK(same_json(map, message_to_map(c[4]->log[0])));
 		store_close(s);
 	}
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 5; i++)
 		convo_free(c[i]);
 out:
 	umount2(fs, MNT_DETACH);
