@@ -1929,7 +1929,7 @@ static void wal_bound(struct store *s)
 static bool fold_wanted(const struct store *s, bool all)
 {
 	return s->cursor < s->cur.nconvs || s->next.nentries >= s->fold_records ||
-	       (all && s->next.nentries) || s->bt[0].state == BT_DEAD || s->bt[1].state == BT_DEAD;
+	       (all && s->next.nentries) || dead_rows(s);
 }
 
 /* The daemon is idle and everything pending is folded: the memory that held it and SQLite's

@@ -2065,7 +2065,7 @@ static void test_full_start(void)
 {
 	struct convo_env env;
 	struct store *s;
-	struct convo *c[5], *l = NULL;
+	struct convo *c[5] = {NULL}, *l = NULL;
 	struct store_stats st0, st;
 	const char *names[] = {"convod.db", "convod.db-wal", "convod.db-shm"};
 	char dir[128], fs[128], crash[128], path[192], sk[DDBITEM_SK_MAX + 1];
@@ -2176,9 +2176,9 @@ static void test_full_start(void)
 		CHECK(same_json(map, message_to_map(c[4]->log[0])));
 		store_close(s);
 	}
+out:
 	for (int i = 0; i < 5; i++)
 		convo_free(c[i]);
-out:
 	umount2(fs, MNT_DETACH);
 }
 
