@@ -152,6 +152,24 @@ def test_live_socket_not_replaced(daemon_factory):
     assert c2.ok({"op": "list"})["conversations"][0]["conversation"] == "first"
 
 
+def test_file_at_the_socket_path_not_replaced(daemon_factory):
+    """Only a socket is ever replaced at the socket path: a regular file there (a typo in
+    --socket, another program's file) stops the start with a message and is left as it
+    was."""
+    d = daemon_factory(start=False)
+    with open(d.socket, "w") as f:
+        f.write("not a socket\n")
+    d.start(wait=False)
+    try:
+        rc = d.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("convod started over a regular file at its socket path")
+    assert rc != 0
+    assert "is not a socket" in d.log() and d.socket in d.log(), d.log()
+    with open(d.socket) as f:
+        assert f.read() == "not a socket\n"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_answers_what_was_sent_then_exits(daemon_factory, sig):
     d = daemon_factory()

@@ -80,6 +80,45 @@ def test_disk_full_answers_unavailable_and_recovers(daemon_factory, small_fs, du
     assert not any(t.startswith("x%d " % i) for t in texts)
 
 
+def test_disk_full_new_conversation_is_not_created(daemon_factory, small_fs):
+    """A conversation whose first message cannot be committed does not exist afterwards:
+    not in memory (not_found, not in `list`), not after a restart; the conversations created
+    before the disk filled are all there, and once space returns the same id is created."""
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--durability", "process"])
+    c = d.connect()
+    c.ok({"op": "add_user", "conversation": "old", "contents": "before"})
+    filler = fill(small_fs)
+    created, refused = ["old"], None
+    for i in range(50):
+        conv = "new-%d" % i
+        r = c.request({"id": i, "op": "add_user", "conversation": conv,
+                       "contents": "n%d " % i + "y" * 20000})
+        if not r["ok"]:
+            refused = conv
+            break
+        created.append(conv)
+    assert refused is not None, "a full disk must refuse some change"
+    assert r["error"]["code"] == "unavailable" and r["id"] == i, r
+
+    def check(conn):
+        for op in ("get_messages", "to_messages_map", "describe"):
+            conn.err({"op": op, "conversation": refused}, "not_found")
+        listed = [x["conversation"] for x in conn.ok({"op": "list"})["conversations"]]
+        assert refused not in listed and sorted(listed) == sorted(created), listed
+
+    check(c)
+    os.unlink(filler)
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    check(c)
+    r = c.ok({"op": "add_user", "conversation": refused, "contents": "again"})
+    assert not r["merged"]
+    assert c.ok({"op": "get_messages", "conversation": refused,
+                 "format": "bedrock"})["messages"][0]["content"][0]["text"] == "again"
+
+
 def test_disk_full_with_commits_in_flight(daemon_factory, small_fs):
     """Several connections pipeline big adds while the disk fills, at durability machine
     (commits on the writer thread, several in flight): every change answered ok is there

@@ -924,6 +924,71 @@ def test_restore_unavailable_while_dynamodb_down(faultproxy, dynalite, ddb_table
     assert full_log(cb, "elsewhere") == maps
 
 
+def _break_item(item, how):
+    item = json.loads(json.dumps(item))
+    if how == "message_not_a_map":
+        item["message"] = {"S": "hello"}
+    elif how == "unknown_role":
+        item["message"]["M"]["role"] = {"S": "robot"}
+    elif how == "version_not_a_number":
+        item["version"] = {"S": "seven"}
+    elif how == "no_id":
+        del item["id"]
+    elif how == "contents_not_strings":
+        item["message"]["M"]["contents"] = {"L": [{"N": "1"}]}
+    return item
+
+
+@pytest.mark.parametrize("how", ["message_not_a_map", "unknown_role", "version_not_a_number",
+                                 "no_id", "contents_not_strings"])
+def test_restore_refuses_a_broken_conversation(dynalite, ddb_table, daemon_factory, how):
+    """What DynamoDB holds is input too: a conversation with an item the daemon could not
+    have written is not restored (half of it, or a guess of it, would be a wrong log). Reads
+    answer unavailable, as when DynamoDB cannot be asked, the daemon logs which conversation
+    and why, and goes on serving the others."""
+    a = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    ca = a.connect()
+    for conv in ("broken-remote", "sound-remote"):
+        for i, role in enumerate(["user", "assistant", "user"]):
+            ca.ok({"op": "add_message", "conversation": conv, "role": role,
+                   "contents": "%s %d" % (conv, i)})
+    ca.ok({"op": "flush"})
+    logs = {conv: full_log(ca, conv) for conv in ("broken-remote", "sound-remote")}
+    for conv, maps in logs.items():
+        wait_table_matches(dynalite, ddb_table, conv, maps, [1, 1, 1])
+    items = ddb.query_all(dynalite, ddb_table, "broken-remote")
+    ddb.put_item(dynalite, ddb_table, _break_item(items[1], how))
+
+    b = ddb_daemon(daemon_factory, dynalite, ddb_table)  # its own, empty state dir
+    cb = b.connect()
+    for op in ("get_messages", "to_messages_map", "describe"):
+        cb.err({"op": op, "conversation": "broken-remote"}, "unavailable")
+    assert "broken-remote from DynamoDB is not valid" in b.log(), b.log()
+    assert full_log(cb, "sound-remote") == logs["sound-remote"]
+    assert [x["conversation"] for x in cb.ok({"op": "list"})["conversations"]] == \
+        ["sound-remote"]
+    assert cb.ok({"op": "ping"})["pong"] is True
+    # Nothing was written over it: the broken item is still the one put there.
+    assert ddb.query_all(dynalite, ddb_table, "broken-remote")[1] == _break_item(items[1], how)
+
+
+def test_restore_from_a_missing_table(dynalite, daemon_factory):
+    """The table named by --dynamodb-table does not exist (deleted, or a typo): the lookup of
+    an unknown conversation gives up after its few retries (this harness's retry delays are
+    milliseconds), reads answer unavailable, the log names the table's error, and adds
+    still create the conversation (availability first)."""
+    d = ddb_daemon(daemon_factory, dynalite, "convod-no-such-table")
+    c = d.connect()
+    t0 = time.time()
+    c.err({"op": "get_messages", "conversation": "anywhere"}, "unavailable")
+    assert time.time() - t0 < 5, "the request waited for more than the lookup's retries"
+    assert "ResourceNotFoundException" in d.log() and "giving up" in d.log(), d.log()
+    r = c.ok({"op": "add_user", "conversation": "anywhere", "contents": "still here"})
+    assert not r["merged"]
+    assert full_log(c, "anywhere")[0]["message"]["contents"] == ["still here"]
+    assert c.ok({"op": "ping"})["pong"] is True
+
+
 def test_sigterm_flushes_last_messages(dynalite, ddb_table, daemon_factory):
     """At shutdown the last message of every conversation is flushed too (persistence.md,
     "The flusher"), and the drain sends it before the daemon exits."""
