@@ -30,7 +30,9 @@ static struct {
 	unsigned long calls;   /* allocations while armed in this run */
 	unsigned long fail_at; /* the allocation to refuse; 0 = none */
 	bool failed;           /* it was refused during the current request */
-	long live;             /* allocations not yet freed, armed or not */
+	/* Allocations not yet freed, armed or not (the store's writer thread frees too). */
+	_Atomic long live;
+	void *refuse_old; /* realloc of this block fails, armed or not; NULL = none */
 } A;
 
 static bool refuse(void)
@@ -62,6 +64,11 @@ void *test_calloc(size_t n, size_t size)
 void *test_realloc(void *old, size_t n)
 {
 	void *p;
+	/* Refused like a failed realloc: the old block stays allocated and counted. */
+	if (old && old == A.refuse_old) {
+		A.failed = true;
+		return NULL;
+	}
 	if (refuse())
 		return NULL;
 	p = (realloc)(old, n);
@@ -722,6 +729,90 @@ static void submit_seqs(void)
 	rmdir(dir);
 }
 
+/* The same without memory to record a seq: the realloc that would grow the turn's array
+ * from 16 seqs to 32 is refused. The answers are all ok; dispatch_seq_after gives the seqs
+ * recorded before and 0 for that transaction and every later one of the turn (the server
+ * then waits for the turn's last), never a wrong seq: the turn does not try to grow the
+ * array again, which would leave a hole in it. The next turn records its seqs again, the
+ * growth refused before included, and nothing is left allocated. */
+static void submit_seqs_refused(void)
+{
+	enum { N = 40, K = 16 /* the transaction whose record would grow the array */ };
+	static const char retry[] = "{\"id\":2,\"op\":\"retry_dead_letters\"}";
+	const char *tmp = getenv("TMPDIR");
+	char dir[256], err[256], path[300], line[160];
+	struct store *s = NULL;
+	struct config cfg;
+	struct dispatch d;
+	struct buf out = {NULL, 0, 0};
+	uint64_t subs[N], seqs[N];
+	long live = A.live;
+	size_t answers = 0;
+
+	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	CHECK(mkdtemp(dir) != NULL);
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	config_defaults(&cfg);
+	CHECK(dispatch_init(&d, &cfg, s, NULL) == 0);
+	for (int turn = 0; turn < 2; turn++) {
+		/* The second turn goes one past K, so that it needs the growth refused in the
+		 * first. */
+		int n = turn ? K + 1 : N;
+		for (int i = 0; i < n; i++) {
+			snprintf(line, sizeof(line),
+			         "{\"id\":1,\"op\":\"add_user\",\"conversation\":\"q\","
+			         "\"contents\":\"t%d m%d\"}",
+			         turn, i);
+			subs[i] = d.nsubmits;
+			if (!turn && i == K) {
+				CHECK(d.submit_cap == K && d.submit_seqs != NULL);
+				A.refuse_old = d.submit_seqs;
+				A.failed = false;
+			}
+			dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+			dispatch_line(&d, retry, strlen(retry), &out, NULL, DISPATCH_REMOTE_CHECK);
+			if (!turn && i == K) {
+				CHECK(A.failed); /* the refusal did happen */
+				A.refuse_old = NULL;
+			}
+			seqs[i] = d.submitted;
+			CHECK(d.nsubmits == subs[i] + 1 && seqs[i] > (i ? seqs[i - 1] : 0));
+		}
+		for (size_t k = 0; k < out.len; k++)
+			answers += out.data[k] == '\n';
+		CHECK(answers == 2 * (size_t)n);
+		CHECK(out.len > 0 && !memmem(out.data, out.len, "\"ok\":false", 10));
+		for (int i = 0; i < n; i++) {
+			uint64_t want = (turn || i < K) ? seqs[i] : 0;
+			uint64_t got = dispatch_seq_after(&d, subs[i]);
+			if (got != want)
+				fprintf(stderr,
+				        "turn %d, transaction %d: seq %" PRIu64 ", not %" PRIu64
+				        "\n",
+				        turn, i, got, want);
+			CHECK(got == want);
+		}
+		CHECK(dispatch_seq_after(&d, d.nsubmits) == 0);
+		/* Refused once, the turn kept its array as it was; the next one grew it. */
+		CHECK(d.submit_cap == (size_t)(turn ? 2 * K : K));
+		dispatch_turn_done(&d);
+		out.len = 0;
+		answers = 0;
+	}
+	CHECK(d.nsubmits == N + K + 1);
+	CHECK(store_sync(s) == 0);
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(&cfg);
+	store_close(s);
+	CHECK(A.live == live);
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	CHECK(unlink(path) == 0);
+	CHECK(rmdir(dir) == 0);
+}
+
 /* --- restoring a message --------------------------------------------------------------- */
 
 /* A message comes back from the store's packed form (message_unpack) and from a DynamoDB
@@ -840,6 +931,7 @@ int main(void)
 	restore_refused();
 	store_load_refused();
 	submit_seqs();
+	submit_seqs_refused();
 	for (size_t i = 0; i < NSTEPS; i++)
 		(free)(expected[i]);
 	return test_done("alloc_fail");
