@@ -989,6 +989,47 @@ def test_restore_from_a_missing_table(dynalite, daemon_factory):
     assert c.ok({"op": "ping"})["pong"] is True
 
 
+def test_sighup_applies_the_flusher_settings(dynalite, ddb_table, daemon_factory, tmp_path):
+    """SIGHUP applies the flusher's settings at once (README, convod.8). With an hour's
+    flush-interval nothing reaches DynamoDB on its own; after a reload to 50 ms it does,
+    with no flush request. expires-days 0 -> 7: the items sent after the reload carry the
+    TTL attribute `expires` (now + 7 days), the one sent before does not."""
+    conf = tmp_path / "convod.conf"
+    conf.write_text("flush-interval = 3600000\nidle-ms = 100\nexpires-days = 0\n")
+    d = daemon_factory(["--config", str(conf), "--dynamodb-table", ddb_table,
+                        "--retry-base-ms", "20", "--retry-max-ms", "300"],
+                       env=ddb_env(dynalite))
+    c = d.connect()
+    c.ok({"op": "add_user", "conversation": "reload", "contents": "before"})
+    time.sleep(1.0)
+    assert ddb.query_all(dynalite, ddb_table, "reload") == [], \
+        "sent with an hour's flush-interval"
+    conf.write_text("flush-interval = 50\nidle-ms = 100\nexpires-days = 7\n")
+    d.signal(signal.SIGHUP)
+    deadline = time.time() + 10
+    while "expires-days 0 -> 7" not in d.log():
+        assert time.time() < deadline, d.log()
+        time.sleep(0.02)
+    c.ok({"op": "add_assistant", "conversation": "reload", "contents": "after"})
+    maps = full_log(c, "reload")
+    t_sent = now_ms() // 1000
+    deadline = time.time() + 10
+    while len(ddb.query_all(dynalite, ddb_table, "reload")) < 2:
+        assert time.time() < deadline, "not sent after the reload"
+        time.sleep(0.02)
+    items = {it["id"]["S"]: it for it in ddb.query_all(dynalite, ddb_table, "reload")}
+    assert [ddb.from_av(items[m["id"]]["message"]) for m in maps] == \
+        [m["message"] for m in maps]
+    before, after = items[maps[0]["id"]], items[maps[1]["id"]]
+    # The first message reached the spool before the reload, at the first tick after it:
+    # it is sent with the settings of the moment it is sent, as persistence.md's snapshots
+    # are made when sent. Either way, the second one carries the TTL.
+    week = 7 * 86400
+    assert abs(int(after["expires"]["N"]) - (t_sent + week)) < 60, after
+    assert "expires" not in before or abs(int(before["expires"]["N"]) - (t_sent + week)) < 60
+    assert "flush-interval 3600000 -> 50" in d.log(), d.log()
+
+
 def test_sigterm_flushes_last_messages(dynalite, ddb_table, daemon_factory):
     """At shutdown the last message of every conversation is flushed too (persistence.md,
     "The flusher"), and the drain sends it before the daemon exits."""
