@@ -1,0 +1,167 @@
+/* The dispatcher's schedule of the retention purge (dispatch_flush_tick), over a real store
+ * file: conversations closed longer than closed-retention-days ago leave the local store in
+ * the first quiet flush tick (nothing committed since the tick before) once the purge is
+ * due, a minute after the start and then hourly, or in any tick once it is an hour
+ * overdue; never before it is due, never with the setting at 0, and never the open ones or
+ * those closed within the retention. The purge itself (which rows go) is test_store's
+ * test_purge; the daemon's clock cannot be moved from an integration test, so the due time
+ * is moved here instead. */
+#include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "buf.h"
+#include "config.h"
+#include "convo.h"
+#include "dispatch.h"
+#include "log.h"
+#include "store.h"
+#include "test.h"
+
+#define DAY_MS INT64_C(86400000)
+#define HOUR_MS INT64_C(3600000)
+
+static struct store *s;
+static struct dispatch d;
+static struct buf out;
+
+/* One request in a turn of its own, answered ok and committed. */
+static void request(const char *line)
+{
+	out.len = 0;
+	dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+	CHECK(out.len > 0 && memmem(out.data, out.len, "\"ok\":true", 9) != NULL);
+	CHECK(dispatch_commit(&d, false) == DISPATCH_COMMIT_SUBMITTED);
+	CHECK(store_sync(s) == 0);
+	dispatch_progress(&d);
+	dispatch_turn_done(&d);
+}
+
+static void add(const char *conv)
+{
+	char line[256];
+	snprintf(line, sizeof(line),
+	         "{\"id\":1,\"op\":\"add_user\",\"conversation\":\"%s\",\"contents\":\"hi\"}",
+	         conv);
+	request(line);
+}
+
+static void close_conv(const char *conv)
+{
+	char line[256];
+	snprintf(line, sizeof(line), "{\"id\":2,\"op\":\"close\",\"conversation\":\"%s\"}", conv);
+	request(line);
+}
+
+static bool stored(const char *conv)
+{
+	struct convo *c = NULL;
+	int rc = store_load_conversation(s, conv, strlen(conv), &c);
+	CHECK(rc == 0 || rc == -ENOENT);
+	convo_free(c);
+	return rc == 0;
+}
+
+/* Moves conv's close in the store to days ago, in a transaction of the test's own. */
+static void closed_ago(const char *conv, int64_t days)
+{
+	CHECK(store_begin(s) == 0);
+	CHECK(store_set_closed(s, conv, strlen(conv), dispatch_now_ms() - days * DAY_MS) == 0);
+	CHECK(store_commit(s) == 0);
+}
+
+/* One flush tick; returns what it logged. */
+static char *tick(void)
+{
+	capture_begin();
+	dispatch_flush_tick(&d, false);
+	return capture_end();
+}
+
+static void test_retention_schedule(void)
+{
+	const char *tmp = getenv("TMPDIR");
+	char dir[256], err[256], path[300], *log;
+	struct config cfg;
+	int64_t due;
+
+	snprintf(dir, sizeof(dir), "%s/test_dispatch.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	CHECK(mkdtemp(dir) != NULL);
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	config_defaults(&cfg);
+	cfg.closed_retention_days = 30;
+	CHECK(dispatch_init(&d, &cfg, s, NULL) == 0);
+	due = d.purge_due_ms;
+	CHECK(due > dispatch_now_ms() + 50000 && due <= dispatch_now_ms() + 60000);
+	for (int i = 0; i < 5; i++) {
+		static const char *const convs[] = {"old", "old-busy", "recent", "open", "kept"};
+		add(convs[i]);
+	}
+	close_conv("old");
+	close_conv("old-busy");
+	close_conv("recent");
+	close_conv("kept");
+	closed_ago("old", 31);
+	closed_ago("old-busy", 31);
+	closed_ago("recent", 29);
+
+	/* Not due yet: quiet ticks leave everything. */
+	free(tick());
+	free(tick());
+	CHECK(stored("old") && d.purge_due_ms == due);
+
+	/* Due, but something was committed since the last tick: it waits for a quiet one. */
+	d.purge_due_ms = dispatch_now_ms() - 1000;
+	due = d.purge_due_ms;
+	add("open");
+	free(tick());
+	CHECK(stored("old") && d.purge_due_ms == due);
+
+	/* Due and quiet: the old closed conversations go, nothing else, and the next purge is
+	 * an hour away. */
+	log = tick();
+	CHECK(log && strstr(log, "removed 2 closed conversations past retention"));
+	free(log);
+	CHECK(!stored("old") && !stored("old-busy"));
+	CHECK(stored("recent") && stored("open") && stored("kept"));
+	CHECK(d.purge_due_ms > dispatch_now_ms() + HOUR_MS - 60000);
+
+	/* An hour overdue: it runs in a busy tick too. */
+	closed_ago("recent", 31);
+	d.purge_due_ms = dispatch_now_ms() - HOUR_MS - 1000;
+	add("open");
+	log = tick();
+	CHECK(log && strstr(log, "removed 1 closed conversations past retention"));
+	free(log);
+	CHECK(!stored("recent") && stored("open") && stored("kept"));
+
+	/* closed-retention-days = 0 keeps them for ever. */
+	closed_ago("kept", 3650);
+	cfg.closed_retention_days = 0;
+	d.purge_due_ms = dispatch_now_ms() - HOUR_MS - 1000;
+	free(tick());
+	free(tick());
+	CHECK(stored("kept") && stored("open"));
+
+	CHECK(store_sync(s) == 0);
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(&cfg);
+	store_close(s);
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	CHECK(unlink(path) == 0);
+	CHECK(rmdir(dir) == 0);
+}
+
+int main(void)
+{
+	log_set_level(LOG_INFO);
+	test_retention_schedule();
+	return test_done("dispatch");
+}
