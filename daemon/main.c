@@ -259,6 +259,15 @@ static int open_persistence(struct daemon *d)
 			awsconf_describe(&d->aws, desc, sizeof(desc)));
 		if (d->cfg.create_table)
 			sink_create_table(d->sink, on_table_created, d);
+	} else if (d->cfg.source[config_setting_index("dynamodb-table")] != CONFIG_SRC_DEFAULT ||
+	           d->cfg.create_table) {
+		/* Asked for by name, yet off: most likely a region missing from this host's
+		 * environment, and nothing would ever reach the table. */
+		log_msg(LOG_WARN, "sink",
+		        "%s is set but no AWS region or DynamoDB endpoint is (AWS_REGION, "
+		        "AWS_ENDPOINT_URL_DYNAMODB, or a region in the AWS config file): DynamoDB "
+		        "is not used; the local store is the sink",
+		        d->cfg.create_table ? "create-table" : "dynamodb-table");
 	} else {
 		log_msg(LOG_INFO, "sink", "no DynamoDB configured: the local store is the sink");
 	}

@@ -204,6 +204,41 @@ def test_bad_file_stops_the_start_with_exit_2(tmpdir_path):
     assert rc == 2 and "missing.conf" in err
 
 
+NO_AWS_FILES = {"AWS_CONFIG_FILE": "/nonexistent/convod-test-config",
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/convod-test-credentials"}
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--dynamodb-table", "my-table"], "dynamodb-table"),
+    (["--create-table"], "create-table"),
+    ([], None),
+])
+def test_table_asked_for_without_a_region_warns(daemon_factory, tmpdir_path, args, named):
+    """DynamoDB is on only where a region or an endpoint is configured. A table named (by
+    flag or file) or --create-table without one is most likely a region missing from the
+    host's environment: the daemon starts on the local store as the spec says, but warns,
+    since nothing would ever reach the table. The plain default stays an info line."""
+    if any(os.environ.get(k) for k in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+                                       "AWS_ENDPOINT_URL_DYNAMODB")):
+        pytest.skip("this environment configures an AWS region or endpoint")
+    d = daemon_factory(list(args), env=NO_AWS_FILES)
+    assert d.connect().ok({"op": "ping"})["pong"] is True
+    log = d.log()
+    if named:
+        assert re.search(r"warn sink: %s is set but no AWS region or DynamoDB endpoint is"
+                         % named, log), log
+        assert "the local store is the sink" in log
+    else:
+        assert "is set but no AWS region" not in log, log
+        assert "no DynamoDB configured: the local store is the sink" in log, log
+    # From the file too.
+    if named == "dynamodb-table":
+        conf = os.path.join(tmpdir_path, "convod.conf")
+        write(conf, "dynamodb-table = from-file\n")
+        d2 = daemon_factory(["--config", conf], env=NO_AWS_FILES)
+        assert "dynamodb-table is set but no AWS region" in d2.log(), d2.log()
+
+
 def test_bad_flag_value_names_the_flag():
     rc, out, err = run_convod(["--check-config", "--allow-uid", "no-such-user-xyzzy"])
     assert rc == 2
