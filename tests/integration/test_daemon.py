@@ -117,6 +117,16 @@ def test_socket_mode_0660_whatever_the_umask(daemon_factory, mask):
     assert stat.S_IMODE(st.st_mode) == 0o660, oct(st.st_mode)
 
 
+def start_fails(d, why):
+    """Starts d without waiting for its socket; returns its exit status once it exited (an
+    AssertionError saying why when it is still running after 15 s)."""
+    d.start(wait=False)
+    try:
+        return d.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(why)
+
+
 def test_stale_socket_replaced(daemon_factory):
     d = daemon_factory(start=False)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -138,12 +148,7 @@ def test_live_socket_not_replaced(daemon_factory):
     ino = os.stat(d1.socket).st_ino
     d2 = daemon_factory(start=False)
     d2.socket = d1.socket
-    d2.start(wait=False)
-    try:
-        rc = d2.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("a second convod on a live socket did not exit")
-    assert rc != 0
+    assert start_fails(d2, "a second convod on a live socket did not exit") != 0
     assert d2.log().strip(), "the second daemon exited without a message"
     # The first one is untouched: same socket file, still answering, same data.
     assert os.stat(d1.socket).st_ino == ino
@@ -159,12 +164,7 @@ def test_file_at_the_socket_path_not_replaced(daemon_factory):
     d = daemon_factory(start=False)
     with open(d.socket, "w") as f:
         f.write("not a socket\n")
-    d.start(wait=False)
-    try:
-        rc = d.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("convod started over a regular file at its socket path")
-    assert rc != 0
+    assert start_fails(d, "convod started over a regular file at its socket path") != 0
     assert "is not a socket" in d.log() and d.socket in d.log(), d.log()
     with open(d.socket) as f:
         assert f.read() == "not a socket\n"

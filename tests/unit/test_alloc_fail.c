@@ -668,6 +668,46 @@ out:
 
 /* --- the transaction of each answer --------------------------------------------------- */
 
+/* A dispatcher over a store of its own in a new temporary directory, as the daemon has
+ * them at its default durability and settings. */
+struct over_store {
+	char dir[256];
+	struct store *s;
+	struct config cfg;
+	struct dispatch d;
+};
+
+/* false when the store cannot be opened (a failed check says why). */
+static bool over_store_open(struct over_store *o)
+{
+	const char *tmp = getenv("TMPDIR");
+	char err[256];
+
+	snprintf(o->dir, sizeof(o->dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	o->s = NULL;
+	CHECK(mkdtemp(o->dir) != NULL);
+	CHECK(store_open(o->dir, DURABILITY_PROCESS, &o->s, err, sizeof(err)) == 0);
+	if (!o->s)
+		return false;
+	config_defaults(&o->cfg);
+	CHECK(dispatch_init(&o->d, &o->cfg, o->s, NULL) == 0);
+	return true;
+}
+
+/* Waits for the writer, frees everything and removes the directory. */
+static void over_store_close(struct over_store *o)
+{
+	char path[300];
+
+	CHECK(store_sync(o->s) == 0);
+	dispatch_free(&o->d);
+	config_free(&o->cfg);
+	store_close(o->s);
+	snprintf(path, sizeof(path), "%s/convod.db", o->dir);
+	CHECK(unlink(path) == 0);
+	CHECK(rmdir(o->dir) == 0);
+}
+
 /* Each retry_dead_letters commits the turn so far in a transaction of its own: an answer
  * made before it is in that one (dispatch_seq_after), however many such commits the turn
  * made since. The dispatcher used to keep the seqs of the last 64 only; an older answer
@@ -677,56 +717,43 @@ out:
 static void submit_seqs(void)
 {
 	enum { N = 200 };
-	const char *tmp = getenv("TMPDIR");
-	char dir[256], err[256], path[300], line[160];
-	struct store *s = NULL;
-	struct config cfg;
-	struct dispatch d;
+	char line[160];
+	struct over_store o;
+	struct dispatch *d = &o.d;
 	struct buf out = {NULL, 0, 0};
 	uint64_t subs[N], seqs[N], sub;
 
-	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-	CHECK(mkdtemp(dir) != NULL);
-	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
-	if (!s)
+	if (!over_store_open(&o))
 		return;
-	config_defaults(&cfg);
-	CHECK(dispatch_init(&d, &cfg, s, NULL) == 0);
 	for (int i = 0; i < N; i++) {
 		static const char retry[] = "{\"id\":2,\"op\":\"retry_dead_letters\"}";
 		snprintf(line, sizeof(line),
 		         "{\"id\":1,\"op\":\"add_user\",\"conversation\":\"q\",\"contents\":"
 		         "\"m%d\"}",
 		         i);
-		subs[i] = d.nsubmits;
-		dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
-		dispatch_line(&d, retry, strlen(retry), &out, NULL, DISPATCH_REMOTE_CHECK);
-		seqs[i] = d.submitted;
-		CHECK(d.nsubmits == subs[i] + 1 && seqs[i] > (i ? seqs[i - 1] : 0));
+		subs[i] = d->nsubmits;
+		dispatch_line(d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+		dispatch_line(d, retry, strlen(retry), &out, NULL, DISPATCH_REMOTE_CHECK);
+		seqs[i] = d->submitted;
+		CHECK(d->nsubmits == subs[i] + 1 && seqs[i] > (i ? seqs[i - 1] : 0));
 	}
 	CHECK(out.len > 0 && !memmem(out.data, out.len, "\"ok\":false", 10));
 	for (int i = 0; i < N; i++)
-		CHECK(dispatch_seq_after(&d, subs[i]) == seqs[i]);
+		CHECK(dispatch_seq_after(d, subs[i]) == seqs[i]);
 	/* Nothing handed over after the last. */
-	CHECK(dispatch_seq_after(&d, d.nsubmits) == 0);
-	dispatch_turn_done(&d);
-	CHECK(dispatch_seq_after(&d, subs[0]) == 0 && dispatch_seq_after(&d, subs[N - 1]) == 0);
+	CHECK(dispatch_seq_after(d, d->nsubmits) == 0);
+	dispatch_turn_done(d);
+	CHECK(dispatch_seq_after(d, subs[0]) == 0 && dispatch_seq_after(d, subs[N - 1]) == 0);
 	/* The next turn's. */
-	sub = d.nsubmits;
+	sub = d->nsubmits;
 	snprintf(line, sizeof(line),
 	         "{\"id\":1,\"op\":\"add_assistant\",\"conversation\":\"q\",\"contents\":"
 	         "\"a\"}");
-	dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
-	CHECK(dispatch_commit(&d, false) == DISPATCH_COMMIT_SUBMITTED);
-	CHECK(dispatch_seq_after(&d, sub) == d.submitted && d.submitted > seqs[N - 1]);
-	CHECK(store_sync(s) == 0);
+	dispatch_line(d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+	CHECK(dispatch_commit(d, false) == DISPATCH_COMMIT_SUBMITTED);
+	CHECK(dispatch_seq_after(d, sub) == d->submitted && d->submitted > seqs[N - 1]);
 	buf_free(&out);
-	dispatch_free(&d);
-	config_free(&cfg);
-	store_close(s);
-	snprintf(path, sizeof(path), "%s/convod.db", dir);
-	unlink(path);
-	rmdir(dir);
+	over_store_close(&o);
 }
 
 /* The same without memory to record a seq: the realloc that would grow the turn's array
@@ -739,23 +766,16 @@ static void submit_seqs_refused(void)
 {
 	enum { N = 40, K = 16 /* the transaction whose record would grow the array */ };
 	static const char retry[] = "{\"id\":2,\"op\":\"retry_dead_letters\"}";
-	const char *tmp = getenv("TMPDIR");
-	char dir[256], err[256], path[300], line[160];
-	struct store *s = NULL;
-	struct config cfg;
-	struct dispatch d;
+	char line[160];
+	struct over_store o;
+	struct dispatch *d = &o.d;
 	struct buf out = {NULL, 0, 0};
 	uint64_t subs[N], seqs[N];
 	long live = A.live;
 	size_t answers = 0;
 
-	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-	CHECK(mkdtemp(dir) != NULL);
-	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
-	if (!s)
+	if (!over_store_open(&o))
 		return;
-	config_defaults(&cfg);
-	CHECK(dispatch_init(&d, &cfg, s, NULL) == 0);
 	for (int turn = 0; turn < 2; turn++) {
 		/* The second turn goes one past K, so that it needs the growth refused in the
 		 * first. */
@@ -765,20 +785,20 @@ static void submit_seqs_refused(void)
 			         "{\"id\":1,\"op\":\"add_user\",\"conversation\":\"q\","
 			         "\"contents\":\"t%d m%d\"}",
 			         turn, i);
-			subs[i] = d.nsubmits;
+			subs[i] = d->nsubmits;
 			if (!turn && i == K) {
-				CHECK(d.submit_cap == K && d.submit_seqs != NULL);
-				A.refuse_old = d.submit_seqs;
+				CHECK(d->submit_cap == K && d->submit_seqs != NULL);
+				A.refuse_old = d->submit_seqs;
 				A.failed = false;
 			}
-			dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
-			dispatch_line(&d, retry, strlen(retry), &out, NULL, DISPATCH_REMOTE_CHECK);
+			dispatch_line(d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+			dispatch_line(d, retry, strlen(retry), &out, NULL, DISPATCH_REMOTE_CHECK);
 			if (!turn && i == K) {
 				CHECK(A.failed); /* the refusal did happen */
 				A.refuse_old = NULL;
 			}
-			seqs[i] = d.submitted;
-			CHECK(d.nsubmits == subs[i] + 1 && seqs[i] > (i ? seqs[i - 1] : 0));
+			seqs[i] = d->submitted;
+			CHECK(d->nsubmits == subs[i] + 1 && seqs[i] > (i ? seqs[i - 1] : 0));
 		}
 		for (size_t k = 0; k < out.len; k++)
 			answers += out.data[k] == '\n';
@@ -786,7 +806,7 @@ static void submit_seqs_refused(void)
 		CHECK(out.len > 0 && !memmem(out.data, out.len, "\"ok\":false", 10));
 		for (int i = 0; i < n; i++) {
 			uint64_t want = (turn || i < K) ? seqs[i] : 0;
-			uint64_t got = dispatch_seq_after(&d, subs[i]);
+			uint64_t got = dispatch_seq_after(d, subs[i]);
 			if (got != want)
 				fprintf(stderr,
 				        "turn %d, transaction %d: seq %" PRIu64 ", not %" PRIu64
@@ -794,23 +814,17 @@ static void submit_seqs_refused(void)
 				        turn, i, got, want);
 			CHECK(got == want);
 		}
-		CHECK(dispatch_seq_after(&d, d.nsubmits) == 0);
+		CHECK(dispatch_seq_after(d, d->nsubmits) == 0);
 		/* Refused once, the turn kept its array as it was; the next one grew it. */
-		CHECK(d.submit_cap == (size_t)(turn ? 2 * K : K));
-		dispatch_turn_done(&d);
+		CHECK(d->submit_cap == (size_t)(turn ? 2 * K : K));
+		dispatch_turn_done(d);
 		out.len = 0;
 		answers = 0;
 	}
-	CHECK(d.nsubmits == N + K + 1);
-	CHECK(store_sync(s) == 0);
+	CHECK(d->nsubmits == N + K + 1);
 	buf_free(&out);
-	dispatch_free(&d);
-	config_free(&cfg);
-	store_close(s);
+	over_store_close(&o);
 	CHECK(A.live == live);
-	snprintf(path, sizeof(path), "%s/convod.db", dir);
-	CHECK(unlink(path) == 0);
-	CHECK(rmdir(dir) == 0);
 }
 
 /* --- restoring a message --------------------------------------------------------------- */
