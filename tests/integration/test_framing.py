@@ -284,6 +284,53 @@ def test_disconnect_while_answers_wait_for_their_commit(daemon_factory, durabili
     assert d.stop() == 0, d.log()
 
 
+def test_reset_while_answers_wait_for_their_commit(daemon_factory):
+    """A client that leaves with answers unread in its socket resets the connection: the
+    daemon's next read on it fails (ECONNRESET), not at EOF after the answers. Here that
+    happens while the answers of the adds just read wait for the writer thread's commit
+    (durability machine), so the connection goes away from the list of those waiting: the
+    daemon goes on, serves the others, and keeps every add whose line arrived whole."""
+    d = daemon_factory(["--durability", "machine"])
+    other = d.connect()
+    sent = 0
+    for k in range(30):
+        # Three at a time, closed in one order or the other: the one going away is not
+        # always the first on the list.
+        socks = []
+        for j in range(3):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(d.socket)
+            # One answer the client leaves unread: its close then resets the connection.
+            s.sendall(frame({"op": "add_user", "conversation": "resetter-%d" % j,
+                             "contents": "k%d-first" % k}))
+            sent += 1
+            deadline = time.time() + 10
+            while not select.select([s], [], [], 0.01)[0]:
+                assert time.time() < deadline, "no answer to the first add"
+            socks.append(s)
+        for j, s in enumerate(socks):
+            s.sendall(b"".join(frame({"op": "add_assistant" if i % 2 == 0 else "add_user",
+                                      "conversation": "resetter-%d" % j,
+                                      "contents": "k%d-%d" % (k, i)}) for i in range(40)))
+            sent += 40
+        for s in (socks if k % 2 else socks[::-1]):
+            s.close()
+        assert other.ok({"op": "add_user", "conversation": "steady-%d" % k,
+                         "contents": "still here"})["merged"] is False
+
+    def texts():
+        return sum(len(m["message"]["contents"]) for j in range(3) for m in other.ok(
+            {"op": "to_messages_map", "conversation": "resetter-%d" % j,
+             "incremental": False})["messages"])
+
+    deadline = time.time() + 20
+    while texts() != sent and time.time() < deadline:
+        time.sleep(0.1)
+    assert texts() == sent
+    assert other.ok({"op": "ping"})["pong"] is True
+    assert d.stop() == 0, d.log()
+
+
 def test_client_that_never_reads(daemon_factory):
     """A client pipelines describes of a ~100 KB conversation, ~200 MB of answers in all,
     and does not read: reading pauses once --max-output-bytes is queued, so the daemon's
