@@ -990,6 +990,64 @@ def test_restore_from_a_missing_table(dynalite, daemon_factory):
     assert c.ok({"op": "ping"})["pong"] is True
 
 
+def test_client_gone_while_its_restore_waits(faultproxy, dynalite, ddb_table, daemon_factory):
+    """Clients that ask for a conversation the daemon must look up in DynamoDB, and leave
+    before the (slow) Query returns: the lookup still completes and restores the
+    conversation, and a later client reads it whole. Then a stop during a lookup: one
+    SIGTERM waits for it and answers the line, a second closes at once and drops it (paths
+    no test ran)."""
+    a = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    ca = a.connect()
+    for i, role in enumerate(["user", "assistant", "user"]):
+        ca.ok({"op": "add_message", "conversation": "far-away", "role": role,
+               "contents": "f%d" % i})
+    ca.ok({"op": "flush"})
+    maps = full_log(ca, "far-away")
+    wait_table_matches(dynalite, ddb_table, "far-away", maps, [1, 1, 1])
+
+    b = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+    faultproxy.push("slow", n=5, op="Query", ms=500)
+    gone = [b.connect() for _ in range(3)]
+    for k, c in enumerate(gone):
+        # The second and third join the lookup the first started.
+        c.send({"id": k, "op": "get_messages", "conversation": "far-away"})
+        if k == 1:
+            c.send({"id": "after", "op": "ping"})  # waits behind the held line
+    time.sleep(0.1)
+    for c in gone:
+        c.close()
+    cb = b.connect()
+    assert full_log(cb, "far-away") == maps
+    assert cb.ok({"op": "ping"})["pong"] is True
+    assert b.stop() == 0, b.log()
+
+    # SIGTERM while a line waits for its lookup: the stop answers what was read, so it waits
+    # for the lookup (up to its deadline) and answers; a second SIGTERM closes at once, and
+    # the waiting line is dropped unanswered.
+    for second in (False, True):
+        c3 = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+        faultproxy.push("slow", n=5, op="Query", ms=8000 if second else 1000)
+        waiting = c3.connect(timeout=30 * TIMEOUT_SCALE)
+        waiting.send({"id": 9, "op": "get_messages", "conversation": "far-away"})
+        time.sleep(0.3)
+        t0 = time.time()
+        c3.signal(signal.SIGTERM)
+        if second:
+            time.sleep(0.3)
+            c3.signal(signal.SIGTERM)
+        assert c3.proc.wait(30 * TIMEOUT_SCALE) == 0, c3.log()
+        if second:
+            assert time.time() - t0 < 5 * TIMEOUT_SCALE, "the second SIGTERM did not cut it short"
+            with pytest.raises((EOFError, OSError)):
+                waiting.recv_line()
+        else:
+            r = waiting.recv()
+            assert r["id"] == 9 and r["ok"], r
+            assert [m["message"]["contents"][0] for m in r["result"]["messages"]] == \
+                ["f0", "f1", "f2"]
+        faultproxy.clear()
+
+
 def test_sighup_applies_the_flusher_settings(dynalite, ddb_table, daemon_factory, tmp_path):
     """SIGHUP applies the flusher's settings at once (README, convod.8). With an hour's
     flush-interval nothing reaches DynamoDB on its own; after a reload to 50 ms it does,
