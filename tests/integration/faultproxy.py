@@ -11,8 +11,10 @@ applies faults that the test schedules at run time:
     p.set_down(True); ...; p.set_down(False)        # refuse connections, then come back
     p.counts["throttle"], p.counts["forwarded"], p.log
 
-Fault kinds (FAULTS): throttle, 500, 503, unprocessed, slow, hang, refuse, drop,
-credentials, expired_token, validation. The queue is looked at first (first entry whose
+Fault kinds (FAULTS): throttle, 500, 503, unprocessed, slow, hang, refuse, drop, garbage,
+credentials, expired_token, validation. garbage forwards the request, then answers 200
+with an HTML page instead of DynamoDB's JSON (a captive portal or a broken middlebox): the
+write happened, its answer cannot be read. The queue is looked at first (first entry whose
 op matches), then the probabilities. Clients may keep connections alive; the proxy keeps
 one upstream connection per client connection.
 """
@@ -48,7 +50,8 @@ ERRORS = {
     "validation": (400, "com.amazon.coral.validate#ValidationException",
                    "One or more parameter values were invalid (injected)"),
 }
-FAULTS = tuple(ERRORS) + ("unprocessed", "slow", "hang", "refuse", "drop")
+FAULTS = tuple(ERRORS) + ("unprocessed", "slow", "hang", "refuse", "drop", "garbage")
+GARBAGE = b"<html><head><title>Sign in</title></head><body>Wi-Fi login</body></html>\n"
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
               "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade",
@@ -176,6 +179,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._abort()
         elif fault == "unprocessed":
             self._unprocessed(body)
+        elif fault == "garbage":
+            self._forward(body, send=False)
+            self._answer(200, GARBAGE, [("Content-Type", "text/html")])
 
     def _answer(self, status, body, headers=None):
         """Sends an answer the way DynamoDB does (JSON, request id, CRC32 of the body)."""

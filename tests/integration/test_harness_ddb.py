@@ -251,6 +251,25 @@ def test_fault_queue_order_and_any_op(faultproxy, ddb_table):
     assert [f for _, f in faultproxy.log] == ["500", "throttle", "throttle", None]
 
 
+def test_garbage(faultproxy, dynalite, ddb_table):
+    """garbage: the write reaches dynalite, the answer is a 200 HTML page, not JSON."""
+    faultproxy.push("garbage", op="BatchWriteItem")
+    conn = http.client.HTTPConnection("127.0.0.1", faultproxy.port, timeout=10)
+    body = json.dumps({"RequestItems": {ddb_table: [
+        {"PutRequest": {"Item": item("conv-g", 1)}}]}}).encode()
+    conn.request("POST", "/", body=body,
+                 headers=dict(ddb.signed_headers(faultproxy.url, "BatchWriteItem", body)))
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/html"
+    assert data.startswith(b"<html>")
+    with pytest.raises(ValueError):
+        json.loads(data)
+    assert len(ddb.scan_all(dynalite, ddb_table)) == 1  # the write itself happened
+    assert faultproxy.counts["garbage"] == 1 and faultproxy.pending == 0
+
+
 def test_unprocessed(faultproxy, dynalite, ddb_table):
     a = [item("conv-a", i) for i in range(25)]
     faultproxy.push("unprocessed")

@@ -1048,6 +1048,34 @@ def test_client_gone_while_its_restore_waits(faultproxy, dynalite, ddb_table, da
         faultproxy.clear()
 
 
+def test_unreadable_answers_from_dynamodb(faultproxy, dynalite, ddb_table, daemon_factory):
+    """A 200 whose body is not DynamoDB's JSON (an HTML login page from a middlebox) is not a
+    success: BatchWriteItem is retried until an answer can be read (the table ends up
+    exactly as the daemon holds it, with no dead letter), and a Query that never gets a
+    readable answer makes the read unavailable, then succeeds once the answers are sound."""
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+    c = d.connect()
+    faultproxy.push("garbage", n=3, op="BatchWriteItem")
+    for i, role in enumerate(["user", "assistant", "user", "assistant"]):
+        c.ok({"op": "add_message", "conversation": "portal", "role": role,
+              "contents": "p%d" % i})
+    c.ok({"op": "flush"})
+    maps = full_log(c, "portal")
+    wait_table_matches(dynalite, ddb_table, "portal", maps, [1, 1, 1, 1])
+    wait_drained(c)
+    assert faultproxy.counts["garbage"] == 3
+    assert "BatchWriteItem: unreadable answer" in d.log(), d.log()
+    assert dead_letters(d.state_dir) == []
+
+    b = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+    cb = b.connect(timeout=30 * TIMEOUT_SCALE)
+    faultproxy.push("garbage", n=20, op="Query")
+    cb.err({"op": "get_messages", "conversation": "portal"}, "unavailable")
+    assert "Query: unreadable answer" in b.log(), b.log()
+    faultproxy.clear()
+    assert full_log(cb, "portal") == maps
+
+
 def test_sighup_applies_the_flusher_settings(dynalite, ddb_table, daemon_factory, tmp_path):
     """SIGHUP applies the flusher's settings at once (README, convod.8). With an hour's
     flush-interval nothing reaches DynamoDB on its own; after a reload to 50 ms it does,

@@ -208,7 +208,7 @@ ERROR_FAULTS = ["throttle", "500", "503", "credentials", "expired_token"]
 
 
 @pytest.mark.parametrize("fault", ERROR_FAULTS + ["unprocessed", "refuse", "drop", "hang",
-                                                  "slow"])
+                                                  "slow", "garbage"])
 def test_faults(probe, faultproxy, dynalite, ddb_table, tmp_path, fault):
     n = 3
     extra = []
@@ -238,6 +238,8 @@ def test_faults(probe, faultproxy, dynalite, ddb_table, tmp_path, fault):
         assert "AWS credentials reread" in r.err
     if fault == "hang":
         assert "timeout" in s["last_error"].lower()
+    if fault == "garbage":
+        assert "unreadable answer" in s["last_error"], s
     # every failed send of an item is followed by exactly one more send of it
     assert s["confirmed"] == s["writes_sent"] - s["retried"]
     assert check_table(dynalite, ddb_table, r.doc["messages"], 3, 40, updates=1) == 120
