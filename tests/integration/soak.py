@@ -24,7 +24,7 @@ What happens, on one thread (selectors) plus a thread that flaps the sink:
   one) after a random number of contents, so many conversations go through the daemon.
 - The fault proxy in front of dynalite changes state every few seconds: healthy, refusing
   connections, a black hole, 500/503, throttling, UnprocessedItems, dropped connections,
-  slow answers, a mix.
+  slow answers, a mix (with 200 answers that are HTML pages, not JSON).
 - kill -9 of the daemon at a random moment of the first half (a few conversations closed
   just before), restart on the same state directory; the connections reconnect by
   themselves. Right after the restart: everything acknowledged is there, and no
@@ -908,7 +908,7 @@ class Soak:
             p.set_probability("slow", 0.5, ms=400)
         elif mode == "mixed":
             for f, pr in (("throttle", 0.15), ("500", 0.1), ("503", 0.05), ("unprocessed", 0.1),
-                          ("drop", 0.05), ("refuse", 0.05), ("slow", 0.05)):
+                          ("drop", 0.05), ("refuse", 0.05), ("slow", 0.05), ("garbage", 0.05)):
                 p.set_probability(f, pr, ms=200)
         self.sink_state = mode
         self.sink_modes[mode] += 1
@@ -1216,7 +1216,7 @@ class Soak:
                 ("conversations checked at the end", s["conversations"]),
                 ("sink faults injected", sum(pc.get(k, 0) for k in (
                     "throttle", "500", "503", "unprocessed", "drop", "refuse", "slow",
-                    "blackholed", "down")))]
+                    "garbage", "blackholed", "down")))]
         for what, n in want:
             if not n:
                 self.fail("the soak did not exercise: " + what)
@@ -1262,8 +1262,8 @@ class Soak:
             "proxy: %d requests, %d forwarded; faults: %s" % (
                 pc.get("requests", 0), pc.get("forwarded", 0), ", ".join(
                     "%s %d" % (k, pc[k]) for k in ("throttle", "500", "503", "unprocessed",
-                                                   "drop", "refuse", "slow", "blackholed",
-                                                   "down") if pc.get(k))),
+                                                   "drop", "refuse", "slow", "garbage",
+                                                   "blackholed", "down") if pc.get(k))),
             "sink after restart: confirmed %s, retried %s, failures %s, unprocessed %s, "
             "dead letters %s; table holds %d items" % (
                 fs.get("confirmed"), fs.get("retried"), fs.get("failures"),
