@@ -217,6 +217,13 @@ static void on_table_created(void *arg, int status)
 }
 
 /* Opens the store and the sink; the embedded default when DynamoDB is not configured. */
+/* Whether the DynamoDB table was named by flag or in the file (it has a default). */
+static bool table_named(const struct config *cfg)
+{
+	int i = config_setting_index("dynamodb-table");
+	return i >= 0 && cfg->source[i] != CONFIG_SRC_DEFAULT;
+}
+
 static int open_persistence(struct daemon *d)
 {
 	char errbuf[512] = "";
@@ -259,8 +266,7 @@ static int open_persistence(struct daemon *d)
 			awsconf_describe(&d->aws, desc, sizeof(desc)));
 		if (d->cfg.create_table)
 			sink_create_table(d->sink, on_table_created, d);
-	} else if (d->cfg.source[config_setting_index("dynamodb-table")] != CONFIG_SRC_DEFAULT ||
-	           d->cfg.create_table) {
+	} else if (table_named(&d->cfg) || d->cfg.create_table) {
 		/* Asked for by name, yet off: most likely a region missing from this host's
 		 * environment, and nothing would ever reach the table. */
 		log_msg(LOG_WARN, "sink",
