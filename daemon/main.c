@@ -216,7 +216,6 @@ static void on_table_created(void *arg, int status)
 		log_msg(LOG_ERROR, "sink", "cannot create the table: %s", strerror(-status));
 }
 
-/* Opens the store and the sink; the embedded default when DynamoDB is not configured. */
 /* Whether the DynamoDB table was named by flag or in the file (it has a default). */
 static bool table_named(const struct config *cfg)
 {
@@ -224,6 +223,7 @@ static bool table_named(const struct config *cfg)
 	return i >= 0 && cfg->source[i] != CONFIG_SRC_DEFAULT;
 }
 
+/* Opens the store and the sink; the embedded default when DynamoDB is not configured. */
 static int open_persistence(struct daemon *d)
 {
 	char errbuf[512] = "";

@@ -215,6 +215,18 @@ def wait_table_matches(endpoint, table, conv, maps, versions, timeout=20.0, upda
         time.sleep(0.05)
 
 
+def sent_to_table(c, endpoint, table, conv, n, prefix):
+    """Adds n alternating user/assistant messages ("<prefix><i>") to conv through c, flushes,
+    and waits until the table at endpoint holds them; returns the daemon's log of conv."""
+    for i in range(n):
+        c.ok({"op": "add_message", "conversation": conv,
+              "role": "user" if i % 2 == 0 else "assistant", "contents": "%s%d" % (prefix, i)})
+    c.ok({"op": "flush"})
+    maps = full_log(c, conv)
+    wait_table_matches(endpoint, table, conv, maps, [1] * n)
+    return maps
+
+
 def wait_drained(c, timeout=20.0):
     """Waits until the spool is empty and no call is in flight; returns the stats."""
     def drained():
@@ -909,13 +921,7 @@ def test_restore_unavailable_while_dynamodb_down(faultproxy, dynalite, ddb_table
     """A read of an unknown conversation while DynamoDB cannot be asked: unavailable (it may
     exist there), not not_found; once it is back, the conversation is restored."""
     a = ddb_daemon(daemon_factory, dynalite, ddb_table)
-    ca = a.connect()
-    for i, role in enumerate(["user", "assistant", "user", "assistant"]):
-        ca.ok({"op": "add_message", "conversation": "elsewhere", "role": role,
-               "contents": "e%d" % i})
-    ca.ok({"op": "flush"})
-    maps = full_log(ca, "elsewhere")
-    wait_table_matches(dynalite, ddb_table, "elsewhere", maps, [1, 1, 1, 1])
+    maps = sent_to_table(a.connect(), dynalite, ddb_table, "elsewhere", 4, "e")
 
     b = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
     cb = b.connect(timeout=60)
@@ -949,14 +955,8 @@ def test_restore_refuses_a_broken_conversation(dynalite, ddb_table, daemon_facto
     and why, and goes on serving the others."""
     a = ddb_daemon(daemon_factory, dynalite, ddb_table)
     ca = a.connect()
-    for conv in ("broken-remote", "sound-remote"):
-        for i, role in enumerate(["user", "assistant", "user"]):
-            ca.ok({"op": "add_message", "conversation": conv, "role": role,
-                   "contents": "%s %d" % (conv, i)})
-    ca.ok({"op": "flush"})
-    logs = {conv: full_log(ca, conv) for conv in ("broken-remote", "sound-remote")}
-    for conv, maps in logs.items():
-        wait_table_matches(dynalite, ddb_table, conv, maps, [1, 1, 1])
+    logs = {conv: sent_to_table(ca, dynalite, ddb_table, conv, 3, conv + " ")
+            for conv in ("broken-remote", "sound-remote")}
     items = ddb.query_all(dynalite, ddb_table, "broken-remote")
     ddb.put_item(dynalite, ddb_table, _break_item(items[1], how))
 
@@ -997,13 +997,7 @@ def test_client_gone_while_its_restore_waits(faultproxy, dynalite, ddb_table, da
     SIGTERM waits for it and answers the line, a second closes at once and drops it (paths
     no test ran)."""
     a = ddb_daemon(daemon_factory, dynalite, ddb_table)
-    ca = a.connect()
-    for i, role in enumerate(["user", "assistant", "user"]):
-        ca.ok({"op": "add_message", "conversation": "far-away", "role": role,
-               "contents": "f%d" % i})
-    ca.ok({"op": "flush"})
-    maps = full_log(ca, "far-away")
-    wait_table_matches(dynalite, ddb_table, "far-away", maps, [1, 1, 1])
+    maps = sent_to_table(a.connect(), dynalite, ddb_table, "far-away", 3, "f")
 
     b = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
     faultproxy.push("slow", n=5, op="Query", ms=500)
@@ -1056,12 +1050,7 @@ def test_unreadable_answers_from_dynamodb(faultproxy, dynalite, ddb_table, daemo
     d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
     c = d.connect()
     faultproxy.push("garbage", n=3, op="BatchWriteItem")
-    for i, role in enumerate(["user", "assistant", "user", "assistant"]):
-        c.ok({"op": "add_message", "conversation": "portal", "role": role,
-              "contents": "p%d" % i})
-    c.ok({"op": "flush"})
-    maps = full_log(c, "portal")
-    wait_table_matches(dynalite, ddb_table, "portal", maps, [1, 1, 1, 1])
+    maps = sent_to_table(c, dynalite, ddb_table, "portal", 4, "p")
     wait_drained(c)
     assert faultproxy.counts["garbage"] == 3
     assert "BatchWriteItem: unreadable answer" in d.log(), d.log()
