@@ -12,7 +12,7 @@ applies faults that the test schedules at run time:
     p.counts["throttle"], p.counts["forwarded"], p.log
 
 Fault kinds (FAULTS): throttle, 500, 503, unprocessed, slow, hang, refuse, drop, garbage,
-credentials, expired_token, validation. garbage forwards the request, then answers 200
+credentials, expired_token, validation, not_found. garbage forwards the request, then answers 200
 with an HTML page instead of DynamoDB's JSON (a captive portal or a broken middlebox): the
 write happened, its answer cannot be read. The queue is looked at first (first entry whose
 op matches), then the probabilities. Clients may keep connections alive; the proxy keeps
@@ -49,6 +49,10 @@ ERRORS = {
                       "The security token included in the request is expired"),
     "validation": (400, "com.amazon.coral.validate#ValidationException",
                    "One or more parameter values were invalid (injected)"),
+    # What DynamoDB answers for a table it does not know, and for a few seconds for one it
+    # has just created (DescribeTable is eventually consistent).
+    "not_found": (400, DDB + "ResourceNotFoundException",
+                  "Requested resource not found (injected)"),
 }
 FAULTS = tuple(ERRORS) + ("unprocessed", "slow", "hang", "refuse", "drop", "garbage")
 GARBAGE = b"<html><head><title>Sign in</title></head><body>Wi-Fi login</body></html>\n"

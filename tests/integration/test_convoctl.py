@@ -905,6 +905,97 @@ def test_create_table_with_dynalite(dynalite, daemon_factory):
             pass
 
 
+def _drop_table(endpoint, table):
+    try:
+        ddb.delete_table(endpoint, table, wait=False)
+    except (OSError, ddb.DdbError):
+        pass
+
+
+def test_writes_to_a_missing_table_wait_for_create_table(dynalite, daemon_factory):
+    """A daemon started before its table exists: what it sends is refused with
+    ResourceNotFoundException, which is retried (the table may yet come), never dead-lettered;
+    the spool keeps everything until create_table makes the table, then drains into it."""
+    table = "convod-ctl-late-%s" % uuid.uuid4().hex[:12]
+    d = daemon_factory(args=["--dynamodb-table", table, "--flush-interval", "50",
+                             "--retry-base-ms", "20", "--retry-max-ms", "200"],
+                       env=ddb_env(dynalite))
+    try:
+        c = d.connect()
+        ids = [c.ok({"op": op, "conversation": "late", "contents": "m%d" % i})["message"]["id"]
+               for i, op in enumerate(["add_user", "add_assistant"] * 3)]
+        c.ok({"op": "flush"})
+        sink = wait_for(lambda: (lambda s: s if s["sink"]["failures"] >= 3 else None)(
+            c.ok({"op": "stats"})), what="refused writes")["sink"]
+        assert "ResourceNotFoundException" in (sink["last_error"] or ""), sink
+        st = c.ok({"op": "stats"})
+        assert st["spool"]["items"] == 6 and st["sink"]["dead_lettered"] == 0, st
+        assert c.ok({"op": "create_table"}) == {"table": table, "ready": True}
+        items = wait_for(lambda: (lambda it: it if len(it) == 6 else None)(
+            ddb.query_all(dynalite, table, "late")), what="the six items")
+        assert [it["sk"]["S"] for it in items] == ids
+        assert [ddb.from_item(it)["message"]["contents"] for it in items] == \
+            [["m%d" % i] for i in range(6)]
+        st = wait_for(lambda: (lambda s: s if s["spool"]["items"] == 0 else None)(
+            c.ok({"op": "stats"})), what="an empty spool")
+        assert st["sink"]["dead_lettered"] == 0
+        assert c.ok({"op": "dead_letters"}) == {"dead_letters": []}
+    finally:
+        _drop_table(dynalite, table)
+
+
+def test_create_table_while_describe_says_not_found(faultproxy, dynalite, daemon_factory):
+    """Right after CreateTable, DynamoDB may answer DescribeTable with
+    ResourceNotFoundException for a while (eventual consistency): that is polled again, not
+    a failure. Two clients asking at once share one CreateTable, and both are answered."""
+    table = "convod-ctl-nf-%s" % uuid.uuid4().hex[:12]
+    d = daemon_factory(args=["--dynamodb-table", table, "--flush-interval", "50"],
+                       env=ddb_env(faultproxy.url))
+    try:
+        faultproxy.push("slow", n=1, op="CreateTable", ms=300)
+        faultproxy.push("not_found", n=6, op="DescribeTable")
+        a, b = d.connect(), d.connect()
+        a.send({"op": "create_table", "id": "a"})
+        time.sleep(0.1)
+        b.send({"op": "create_table", "id": "b"})
+        for conn, rid in ((a, "a"), (b, "b")):
+            assert conn.recv() == {"id": rid, "ok": True,
+                                   "result": {"table": table, "ready": True}}
+        assert faultproxy.count("op:CreateTable") == 1
+        assert faultproxy.count("not_found") == 6
+        assert faultproxy.count("op:DescribeTable") >= 7
+        assert faultproxy.pending == 0
+        assert ddb.describe_table(dynalite, table)["TableStatus"] == "ACTIVE"
+        assert "cannot create table" not in d.log()
+        mid = a.ok({"op": "add_user", "conversation": "nf", "contents": "Hi"})["message"]["id"]
+        a.ok({"op": "flush"})
+        items = wait_for(lambda: ddb.query_all(dynalite, table, "nf"), what="the item")
+        assert [it["sk"]["S"] for it in items] == [mid]
+    finally:
+        _drop_table(dynalite, table)
+
+
+def test_create_table_refused_is_unavailable(faultproxy, dynalite, daemon_factory):
+    """A CreateTable that DynamoDB refuses for good (ValidationException) answers
+    unavailable with the reason in the log, creates nothing, and a later create_table
+    tries again."""
+    table = "convod-ctl-ref-%s" % uuid.uuid4().hex[:12]
+    d = daemon_factory(args=["--dynamodb-table", table], env=ddb_env(faultproxy.url))
+    try:
+        faultproxy.push("validation", n=1, op="CreateTable")
+        c = d.connect()
+        e = c.err({"op": "create_table", "id": 1}, "unavailable")
+        assert table in e["message"] or "table" in e["message"], e
+        wait_for(lambda: "cannot create table " + table in d.log(), what="the log line")
+        assert "ValidationException" in d.log()
+        assert table not in ddb.list_tables(dynalite)
+        assert c.ok({"op": "create_table"}) == {"table": table, "ready": True}
+        assert ddb.describe_table(dynalite, table)["TableStatus"] == "ACTIVE"
+        assert faultproxy.count("op:CreateTable") == 2
+    finally:
+        _drop_table(dynalite, table)
+
+
 def test_dead_letter_listed_retried_and_delivered(faultproxy, dynalite, ddb_table,
                                                   daemon_factory):
     d = daemon_factory(args=["--dynamodb-table", ddb_table, "--flush-interval", "50",

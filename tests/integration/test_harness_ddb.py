@@ -201,7 +201,8 @@ ERROR_FAULTS = [("throttle", 400, "ProvisionedThroughputExceededException"),
                 ("503", 503, "ServiceUnavailable"),
                 ("credentials", 400, "UnrecognizedClientException"),
                 ("expired_token", 400, "ExpiredTokenException"),
-                ("validation", 400, "ValidationException")]
+                ("validation", 400, "ValidationException"),
+                ("not_found", 400, "ResourceNotFoundException")]
 
 
 @pytest.mark.parametrize("fault,status,type_", ERROR_FAULTS)
