@@ -784,6 +784,60 @@ def test_full_spool_refuses_writes_reads_go_on(faultproxy, dynalite, ddb_table, 
     table_matches_daemon(dynalite, ddb_table, c, [conv])
 
 
+def test_spool_rows_the_store_cannot_back(faultproxy, dynalite, ddb_table, daemon_factory):
+    """A state file changed behind the daemon's back (a restore from an older copy, a hand
+    edit): spool rows whose message the store no longer holds become dead letters, one whose
+    spooled version is above the stored one sends the stored version with a warning; the
+    rest of the spool is delivered as usual and the daemon carries on."""
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+    c = d.connect()
+    faultproxy.set_down(True)
+    for conv in ("lost", "kept"):
+        c.ok({"op": "add_user", "conversation": conv, "contents": conv + " 1"})
+        c.ok({"op": "add_assistant", "conversation": conv, "contents": conv + " 2"})
+    bumped = c.ok({"op": "add_user", "conversation": "bumped", "contents": "b"})["message"]
+    kept = full_log(c, "kept")
+    c.ok({"op": "flush"})
+    assert stats(c)["spool"]["items"] == 5
+    c.close()
+    assert d.stop() == 0, d.log()
+    db = sqlite3.connect(os.path.join(d.state_dir, "convod.db"))
+    try:
+        # A clean stop folded every pending record into segments, so the conversation's
+        # messages are in that table alone.
+        assert db.execute("SELECT (SELECT count(*) FROM batches)"
+                          " + (SELECT count(*) FROM batches1)").fetchone() == (0,)
+        with db:
+            n = db.execute("DELETE FROM segments WHERE conversation = ?", (b"lost",)).rowcount
+            assert n >= 1
+            n = db.execute("UPDATE spool SET version = 7 WHERE conversation = ?",
+                           (b"bumped",)).rowcount
+            assert n == 1
+    finally:
+        db.close()
+    faultproxy.set_down(False)
+    d.start()
+    c = d.connect()
+    st = wait_drained(c, timeout=30)
+    assert st["sink"]["dead_lettered"] == 2, st["sink"]
+    dead = c.ok({"op": "dead_letters"})["dead_letters"]
+    assert sorted(x["conversation"] for x in dead) == ["lost", "lost"], dead
+    assert all("no longer in the local store" in x["error"] for x in dead), dead
+    assert ddb.query_all(dynalite, ddb_table, "lost") == []
+    table_matches_daemon(dynalite, ddb_table, c, ["kept", "bumped"])
+    assert full_log(c, "kept") == kept
+    (item,) = ddb.query_all(dynalite, ddb_table, "bumped")
+    assert item["sk"]["S"] == bumped["id"] and item["version"]["N"] == "1"
+    assert "below the spooled 7; sending the stored one" in d.log(), d.log()
+    assert full_log(c, "lost") == []  # its row is there, its messages are not
+    # The daemon carries on, the emptied conversation included.
+    c.ok({"op": "add_user", "conversation": "kept", "contents": "after"})
+    c.ok({"op": "add_user", "conversation": "lost", "contents": "again"})
+    c.ok({"op": "flush"})
+    wait_drained(c)
+    table_matches_daemon(dynalite, ddb_table, c, ["kept", "bumped", "lost"])
+
+
 def _fails_to_start(d, timeout=30):
     d.start(wait=False)
     try:
