@@ -233,6 +233,10 @@ static int open_persistence(struct daemon *d)
 
 	if (d->cfg.memory_only) {
 		log_msg(LOG_WARN, "main", "memory only: nothing survives a restart");
+		if (table_named(&d->cfg) || d->cfg.create_table)
+			log_msg(LOG_WARN, "sink",
+			        "memory-only is set: dynamodb-table and create-table are ignored "
+			        "(no local store, no DynamoDB: nothing is written anywhere)");
 		return 0;
 	}
 	rc = store_open(d->cfg.state_dir, (enum durability)d->cfg.durability, &d->store, errbuf,

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import ddb
 from conftest import CONVOD, ROOT, Conn, Daemon
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEYsecret"
@@ -237,6 +238,27 @@ def test_table_asked_for_without_a_region_warns(daemon_factory, tmpdir_path, arg
         write(conf, "dynamodb-table = from-file\n")
         d2 = daemon_factory(["--config", conf], env=NO_AWS_FILES)
         assert "dynamodb-table is set but no AWS region" in d2.log(), d2.log()
+
+
+def test_memory_only_says_dynamodb_is_off(daemon_factory, dynalite):
+    """--memory-only has no store for a spool, so DynamoDB is off too, even with an
+    endpoint configured: a table asked for with it is a warning, and nothing reaches it."""
+    env = {"AWS_ENDPOINT_URL_DYNAMODB": dynalite, "AWS_REGION": "us-east-1",
+           "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", **NO_AWS_FILES}
+    table = "convod-mo-%d" % os.getpid()
+    d = daemon_factory(["--memory-only", "--dynamodb-table", table, "--create-table"], env=env)
+    c = d.connect()
+    c.ok({"op": "add_user", "conversation": "mo", "contents": "hi"})
+    assert c.ok({"op": "flush"}) == {"flushed": 1}
+    assert c.ok({"op": "stats"})["sink"]["kind"] == "none"
+    log = d.log()
+    assert "warn sink: memory-only is set: dynamodb-table and create-table are ignored" in log
+    assert table not in ddb.list_tables(dynalite)
+    # Without a table asked for, only the memory-only warning.
+    d2 = daemon_factory(["--memory-only"], env=env)
+    d2.connect().ok({"op": "ping"})
+    assert "memory only: nothing survives a restart" in d2.log()
+    assert "are ignored" not in d2.log()
 
 
 def test_bad_flag_value_names_the_flag():
