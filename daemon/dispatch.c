@@ -782,7 +782,27 @@ static void utf8_sanitize(char *msg)
 }
 
 /* Writes {"id":ID,"ok":false,"error":{...}}; id may be NULL (left out). */
-static void answer_error(struct dispatch *d, struct buf *out, const json_t *id, enum op op,
+/* A request's id as its answer echoes it: its text as the request wrote it (raw), or
+ * jansson's writing of the value. */
+struct reqid {
+	const json_t *json;
+	const char *raw;
+	size_t raw_len;
+};
+
+/* "id":ID, for an answer, when id is given. 0 or -ENOMEM. */
+static int append_id(struct buf *out, const struct reqid *id)
+{
+	if (!id)
+		return 0;
+	if (buf_append(out, "\"id\":", 5) < 0)
+		return -ENOMEM;
+	if ((id->raw ? buf_append(out, id->raw, id->raw_len) : buf_append_json(out, id->json)) < 0)
+		return -ENOMEM;
+	return buf_append(out, ",", 1) < 0 ? -ENOMEM : 0;
+}
+
+static void answer_error(struct dispatch *d, struct buf *out, const struct reqid *id, enum op op,
                          const struct error *err)
 {
 	struct error clean = *err;
@@ -798,8 +818,7 @@ static void answer_error(struct dispatch *d, struct buf *out, const json_t *id, 
 		goto oom;
 	if (buf_append(out, "{", 1) < 0)
 		goto oom;
-	if (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
-	           buf_append(out, ",", 1) < 0))
+	if (append_id(out, id) < 0)
 		goto oom;
 	if (buf_append(out, "\"ok\":false,", 11) < 0)
 		goto oom;
@@ -824,8 +843,7 @@ oom:
 		/* Keep the id when it can still be written; the client matches answers by it. */
 		if (buf_append(out, "{", 1) < 0)
 			return;
-		if (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
-		           buf_append(out, ",", 1) < 0))
+		if (append_id(out, id) < 0)
 			out->len = mark + 1;
 		if (buf_append(out, fixed, sizeof(fixed) - 1) < 0)
 			out->len = mark;
@@ -836,15 +854,11 @@ oom:
  * and reserves room for a short tail. flush, close and retry_dead_letters, whose result is
  * a count made by the change itself, call it before the change, so that nothing can fail
  * after it. 0 or -ENOMEM (out unchanged). */
-static int answer_head(struct buf *out, const json_t *id, const char *raw_id, size_t raw_len)
+static int answer_open(struct buf *out, const struct reqid *id)
 {
 	size_t start = out->len;
 
-	if (buf_append(out, "{", 1) < 0 ||
-	    (id && (buf_append(out, "\"id\":", 5) < 0 || buf_append_json(out, id) < 0 ||
-	            buf_append(out, ",", 1) < 0)) ||
-	    (raw_id && (buf_append(out, "\"id\":", 5) < 0 || buf_append(out, raw_id, raw_len) < 0 ||
-	                buf_append(out, ",", 1) < 0)) ||
+	if (buf_append(out, "{", 1) < 0 || append_id(out, id) < 0 ||
 	    buf_append(out, "\"ok\":true,\"result\":", 19) < 0 || buf_reserve(out, 64) < 0) {
 		out->len = start;
 		return -ENOMEM;
@@ -852,13 +866,8 @@ static int answer_head(struct buf *out, const json_t *id, const char *raw_id, si
 	return 0;
 }
 
-static int answer_open(struct buf *out, const json_t *id)
-{
-	return answer_head(out, id, NULL, 0);
-}
-
 /* Writes {"id":ID,"ok":true,"result":RESULT}; takes the reference to result. */
-static void answer_ok(struct dispatch *d, struct buf *out, const json_t *id, enum op op,
+static void answer_ok(struct dispatch *d, struct buf *out, const struct reqid *id, enum op op,
                       json_t *result)
 {
 	size_t mark = out->len;
@@ -879,11 +888,9 @@ static void answer_ok(struct dispatch *d, struct buf *out, const json_t *id, enu
 struct emit_ctx {
 	struct dispatch *d;
 	struct buf *out;
-	const json_t *id;
+	const struct reqid *id;
 	enum op op;
 	size_t start; /* where the answer begins in out */
-	const char *raw_id; /* instead of id: its JSON text as the request gave it */
-	size_t raw_id_len;
 };
 
 /* ops_emit_fn: the ok answer, written while the op can still be undone. */
@@ -892,7 +899,7 @@ static int emit_answer(void *arg, const json_t *result, ops_write_fn write, cons
 	struct emit_ctx *e = arg;
 	struct buf *out = e->out;
 
-	if (answer_head(out, e->id, e->raw_id, e->raw_id_len) < 0 ||
+	if (answer_open(out, e->id) < 0 ||
 	    (result ? buf_append_json(out, result) : write(out, wctx)) < 0 ||
 	    buf_append(out, "}\n", 2) < 0) {
 		out->len = e->start;
@@ -923,12 +930,10 @@ void dispatch_too_large_line(struct dispatch *d, struct buf *out)
 	answer_error(d, out, NULL, OP_UNKNOWN, &err);
 }
 
+/* A blank line (protocol.md: empty or only white space, any of Unicode's; valid UTF-8). */
 static bool is_blank(const char *p, size_t n)
 {
-	for (size_t i = 0; i < n; i++)
-		if (p[i] != ' ' && p[i] != '\t' && p[i] != '\r' && p[i] != '\n')
-			return false;
-	return true;
+	return n == 0 || ((unsigned char)p[0] != '{' && ops_text_blank(p, n));
 }
 
 /* The conversation id: 1..max bytes, no C0/C1 control characters or DEL. */
@@ -1422,7 +1427,8 @@ static bool fast_read(struct dispatch *d, const struct fast_req *f, struct buf *
 	if (!c)
 		return true; /* waiting */
 	{
-		struct emit_ctx ec = {d, out, NULL, f->op, out->len, f->raw_id, f->raw_id_len};
+		struct reqid rid = {NULL, f->raw_id, f->raw_id_len};
+		struct emit_ctx ec = {d, out, f->raw_id ? &rid : NULL, f->op, out->len};
 		if (ops_read_direct(f->op, c, &args, emit_answer, &ec, &err) != ERR_OK) {
 			if (created)
 				drop_conversation(d, c);
@@ -1496,7 +1502,8 @@ static bool fast_add(struct dispatch *d, const struct fast_req *f, struct buf *o
 	args.lens = lens;
 	args.ntexts = ntexts;
 	{
-		struct emit_ctx ec = {d, out, NULL, f->op, out->len, f->raw_id, f->raw_id_len};
+		struct reqid rid = {NULL, f->raw_id, f->raw_id_len};
+		struct emit_ctx ec = {d, out, f->raw_id ? &rid : NULL, f->op, out->len};
 		if (ops_add_direct(c, &env, &args, emit_answer, &ec, &changed, &err) != ERR_OK) {
 			if (created)
 				drop_conversation(d, c);
@@ -1570,12 +1577,22 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 	return fast_add(d, &f, out, waiter, remote, res);
 }
 
+/* Whether the value v (a span of a request line) holds a number jansson refuses. */
+static bool tamed_in(const struct jscan_value *v)
+{
+	size_t n = 0;
+	return jscan_tame_numbers(v->p, v->len, NULL, &n) == 0 && n > 0;
+}
+
 static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, size_t len,
                                          struct buf *out, void *waiter,
                                          enum dispatch_remote remote, enum op *opp)
 {
 	json_t *req = NULL, *result = NULL;
 	const json_t *id = NULL, *opv;
+	struct reqid rid = {NULL, NULL, 0}, *idp = NULL;
+	struct buf tamed = {0};
+	size_t ntamed = 0;
 	json_error_t jerr;
 	struct error err = {ERR_OK, ""}, err2 = {ERR_OK, ""};
 	enum op op = OP_UNKNOWN;
@@ -1603,6 +1620,34 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto fail;
 	}
 	if (!req) {
+		/* Valid JSON that jansson refuses for numbers it cannot hold: read again with
+		 * those numbers tamed (jscan_tame_numbers). They may be in the id (echoed as
+		 * written), in fields the op ignores, or where a field holds them (refused
+		 * below, or out of range for its check); the line's own error stands otherwise. */
+		json_error_t jerr2;
+		if (jscan_tame_numbers(line, len, &tamed, &ntamed) < 0) {
+			error_set(&err, ERR_INTERNAL, "out of memory while reading the request");
+			goto fail;
+		}
+		if (ntamed > 0) {
+			ops_json_alloc_reset();
+			req = json_loadb(tamed.data, tamed.len, JSON_ALLOW_NUL, &jerr2);
+			if (ops_json_alloc_failed()) {
+				json_decref(req);
+				req = NULL;
+				error_set(&err, ERR_INTERNAL,
+				          "out of memory while reading the request");
+				goto fail;
+			}
+			if (!req) {
+				/* Not only the numbers: the rest's error (its column would be the
+				 * tamed text's). */
+				error_set(&err, ERR_PARSE_ERROR, "invalid JSON: %s", jerr2.text);
+				goto fail;
+			}
+		}
+	}
+	if (!req) {
 		error_set(&err, ERR_PARSE_ERROR, "invalid JSON at column %d: %s", jerr.column,
 		          jerr.text);
 		goto fail;
@@ -1611,7 +1656,19 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		error_set(&err, ERR_PARSE_ERROR, "expected a JSON object");
 		goto fail;
 	}
-	id = json_object_get(req, "id");
+	if ((id = json_object_get(req, "id"))) {
+		/* A number is echoed as written (jansson would write 0.1 as 0.10000000000000001,
+		 * and a tamed one as 1e300); so is any id holding a tamed number. */
+		struct jscan_value v;
+		rid.json = id;
+		if ((json_is_number(id) || ntamed > 0) &&
+		    jscan_object_get(line, len, "id", 2, &v) == 1 &&
+		    (json_is_number(id) || tamed_in(&v))) {
+			rid.raw = v.type == JSCAN_STRING ? v.p - 1 : v.p;
+			rid.raw_len = v.type == JSCAN_STRING ? v.len + 2 : v.len;
+		}
+		idp = &rid;
+	}
 
 	/* Protocol order: too_large, unknown_op, bad_request, not_found, ... */
 	opv = json_object_get(req, "op");
@@ -1634,6 +1691,22 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	if (code2 != ERR_OK && (code == ERR_OK || code2 < code)) {
 		err = err2;
 		code = code2;
+	}
+	if (ntamed > 0 && (code == ERR_OK || ERR_BAD_REQUEST < code)) {
+		/* A value the conversation would keep (aux, metadata) cannot hold such numbers:
+		 * taming them would change what is stored. */
+		const char *field = op == OP_SET_METADATA ? "aux"
+		                    : ops_creates(op)     ? "metadata"
+		                                          : NULL;
+		struct jscan_value v;
+		if (field && jscan_object_get(line, len, field, strlen(field), &v) == 1 &&
+		    tamed_in(&v)) {
+			code =
+			    error_set(&err, ERR_BAD_REQUEST,
+			              "%s: holds a number out of range (integers must fit 64 bits, "
+			              "reals a double)",
+			              field);
+		}
 	}
 	if (code != ERR_OK)
 		goto fail;
@@ -1683,7 +1756,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	}
 	case OP_RETRY_DEAD_LETTERS: {
 		size_t n = 0, start = out->len;
-		if (answer_open(out, id) < 0)
+		if (answer_open(out, idp) < 0)
 			goto oom;
 		if (d->store) {
 			int rc = 0;
@@ -1705,6 +1778,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		}
 		answer_count(d, out, start, op, "retried", n);
 		json_decref(req);
+		buf_free(&tamed);
 		return DISPATCH_DONE;
 	}
 	case OP_CREATE_TABLE:
@@ -1717,6 +1791,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (remote == DISPATCH_REMOTE_CHECK) {
 			if (waiter && table_create_start(d, waiter) == 0) {
 				json_decref(req);
+				buf_free(&tamed);
 				return DISPATCH_WAIT;
 			}
 			remote = DISPATCH_REMOTE_FAILED;
@@ -1772,11 +1847,12 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (!cid) {
 			struct flush_all_ctx ctx = {d, 0};
 			size_t start = out->len;
-			if (answer_open(out, id) < 0)
+			if (answer_open(out, idp) < 0)
 				goto oom;
 			registry_each(&d->reg, flush_each, &ctx);
 			answer_count(d, out, start, op, "flushed", ctx.n);
 			json_decref(req);
+			buf_free(&tamed);
 			return DISPATCH_DONE;
 		}
 		break;
@@ -1789,6 +1865,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		break;
 	case FIND_WAIT:
 		json_decref(req);
+		buf_free(&tamed);
 		return DISPATCH_WAIT;
 	case FIND_FAIL:
 		goto fail;
@@ -1796,7 +1873,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 
 	if (op == OP_FLUSH || op == OP_CLOSE) {
 		size_t start = out->len, n;
-		if (answer_open(out, id) < 0)
+		if (answer_open(out, idp) < 0)
 			goto oom;
 		n = sink_take(d, c, true);
 		if (op == OP_CLOSE) {
@@ -1818,6 +1895,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		}
 		answer_count(d, out, start, op, "flushed", n);
 		json_decref(req);
+		buf_free(&tamed);
 		return DISPATCH_DONE;
 	}
 
@@ -1838,7 +1916,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto fail;
 	}
 	{
-		struct emit_ctx ec = {d, out, id, op, out->len, NULL, 0};
+		struct emit_ctx ec = {d, out, idp, op, out->len};
 		code = ops_run_emit(op, c, &env, req, emit_answer, &ec, &changed, &err);
 		if (code != ERR_OK) {
 			if (created)
@@ -1853,18 +1931,21 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		}
 	}
 	json_decref(req);
+	buf_free(&tamed);
 	return DISPATCH_DONE;
 ok:
-	answer_ok(d, out, id, op, result);
+	answer_ok(d, out, idp, op, result);
 	json_decref(req);
+	buf_free(&tamed);
 	return DISPATCH_DONE;
 oom:
 	error_set(&err, ERR_INTERNAL, "out of memory");
 fail:
 	if (err.code == ERR_INTERNAL)
 		log_msg(LOG_ERROR, "dispatch", "internal error: %s", err.message);
-	answer_error(d, out, id, op, &err);
+	answer_error(d, out, idp, op, &err);
 	json_decref(req);
+	buf_free(&tamed);
 	return DISPATCH_DONE;
 }
 

@@ -54,14 +54,16 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 	     put_int(conns, "denied", s->connections_denied) &&
 	     put_int(reqs, "total", s->requests_total) && put(reqs, "by_op", json_incref(by_op)) &&
 	     put(reqs, "time_ns_by_op", json_incref(time_by_op)) &&
-	     put_int(errs, "total", s->errors_total) && put(errs, "by_code", json_incref(by_code)) &&
-	     put_int(spool, "items", 0) && put_int(spool, "bytes", 0) &&
-	     put(spool, "oldest_pending_ms", json_null()) && put(sink, "kind", json_string("none")) &&
-	     put_int(sink, "writes_sent", 0) && put_int(sink, "confirmed", 0) &&
-	     put_int(sink, "retried", 0) && put_int(sink, "dead_lettered", 0) &&
-	     put_int(sink, "failures", 0) && put(sink, "last_error", json_null()) &&
-	     put(lat, "p50", json_null()) && put(lat, "p99", json_null()) &&
-	     put(lat, "p999", json_null()) && put(sink, "latency_ms", json_incref(lat)) &&
+	     put_int(errs, "total", s->errors_total) &&
+	     put(errs, "by_code", json_incref(by_code)) && put_int(spool, "items", 0) &&
+	     put_int(spool, "bytes", 0) && put(spool, "oldest_pending_ms", json_null()) &&
+	     put(sink, "kind", json_string("none")) && put_int(sink, "writes_sent", 0) &&
+	     put_int(sink, "confirmed", 0) && put_int(sink, "retried", 0) &&
+	     put_int(sink, "dead_lettered", 0) && put_int(sink, "failures", 0) &&
+	     put_int(sink, "unprocessed", 0) && put_int(sink, "inflight", 0) &&
+	     put(sink, "last_error", json_null()) && put(lat, "p50", json_null()) &&
+	     put(lat, "p99", json_null()) && put(lat, "p999", json_null()) &&
+	     put(sink, "latency_ms", json_incref(lat)) &&
 	     put(res, "version", json_string(CONVOD_VERSION)) &&
 	     put_int(res, "uptime_ms", now_ms - s->started_ms) &&
 	     put(res, "connections", json_incref(conns)) &&

@@ -5,7 +5,9 @@
 #include "jscan.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define JSCAN_MAX_DEPTH 64
@@ -15,6 +17,7 @@
 struct scan {
 	const char *p;
 	size_t len, i;
+	bool loose; /* numbers of any size, escaped keys at the top level (jscan_object_get) */
 };
 
 static int scan_value(struct scan *s, struct jscan_value *v, int depth);
@@ -179,7 +182,8 @@ static int scan_number(struct scan *s, struct jscan_value *v)
 		if (neg)
 			exp = -exp;
 	}
-	if (real ? (long)digits + exp > JSCAN_MAX_DECIMAL_EXP : digits > JSCAN_MAX_INT_DIGITS)
+	if (!s->loose &&
+	    (real ? (long)digits + exp > JSCAN_MAX_DECIMAL_EXP : digits > JSCAN_MAX_INT_DIGITS))
 		return -EINVAL; /* might be refused by jansson as too big */
 	v->type = real ? JSCAN_REAL : JSCAN_INTEGER;
 	v->p = p + start;
@@ -234,7 +238,7 @@ static int scan_container(struct scan *s, struct jscan_value *v, int depth,
 		struct jscan_value key, el;
 		if (object) {
 			if (s->i >= s->len || s->p[s->i] != '"' || scan_string(s, &key) < 0 ||
-			    (key.escaped && (out || key_has_nul(&key))))
+			    (key.escaped && !s->loose && (out || key_has_nul(&key))))
 				return -EINVAL;
 			skip_ws(s);
 			if (s->i >= s->len || s->p[s->i] != ':')
@@ -296,7 +300,7 @@ static int scan_value(struct scan *s, struct jscan_value *v, int depth)
 int jscan_object(const char *text, size_t len, struct jscan_member *members, size_t max,
                  size_t *n)
 {
-	struct scan s = {text, len, 0};
+	struct scan s = {text, len, 0, false};
 	struct jscan_value v;
 
 	*n = 0;
@@ -317,7 +321,7 @@ int jscan_object(const char *text, size_t len, struct jscan_member *members, siz
 
 int jscan_value(const char *text, size_t len, struct jscan_value *v, size_t *end)
 {
-	struct scan s = {text, len, 0};
+	struct scan s = {text, len, 0, false};
 
 	if (scan_value(&s, v, 0) < 0)
 		return -EINVAL;
@@ -327,7 +331,7 @@ int jscan_value(const char *text, size_t len, struct jscan_value *v, size_t *end
 
 int jscan_array_next(const struct jscan_value *array, size_t *pos, struct jscan_value *el)
 {
-	struct scan s = {array->p, array->len, *pos ? *pos : 1};
+	struct scan s = {array->p, array->len, *pos ? *pos : 1, false};
 
 	skip_ws(&s);
 	if (s.i < s.len && s.p[s.i] == ',') {
@@ -429,4 +433,143 @@ const struct jscan_member *jscan_find(const struct jscan_member *members, size_t
 		}
 	}
 	return found;
+}
+
+int jscan_value_loose(const char *text, size_t len, struct jscan_value *v, size_t *end)
+{
+	struct scan s = {text, len, 0, true};
+
+	if (scan_value(&s, v, 0) < 0)
+		return -EINVAL;
+	*end = s.i;
+	return 0;
+}
+
+int jscan_object_get(const char *text, size_t len, const char *key, size_t key_len,
+                     struct jscan_value *out)
+{
+	struct scan s = {text, len, 0, true};
+	struct buf name = {0};
+	int found = 0;
+
+	skip_ws(&s);
+	if (s.i >= s.len || text[s.i] != '{')
+		return -EINVAL;
+	s.i++;
+	skip_ws(&s);
+	if (s.i < s.len && text[s.i] == '}')
+		return 0;
+	for (;;) {
+		struct jscan_value k, v;
+		bool match;
+
+		if (s.i >= s.len || text[s.i] != '"' || scan_string(&s, &k) < 0)
+			goto bad;
+		skip_ws(&s);
+		if (s.i >= s.len || text[s.i] != ':')
+			goto bad;
+		s.i++;
+		skip_ws(&s);
+		if (scan_value(&s, &v, 1) < 0)
+			goto bad;
+		if (k.escaped) {
+			name.len = 0;
+			if (jscan_string(&k, &name) < 0) {
+				buf_free(&name);
+				return -ENOMEM;
+			}
+			match = name.len == key_len && memcmp(name.data, key, key_len) == 0;
+		} else {
+			match = k.len == key_len && memcmp(k.p, key, key_len) == 0;
+		}
+		if (match) { /* jansson keeps the last one */
+			*out = v;
+			found = 1;
+		}
+		skip_ws(&s);
+		if (s.i < s.len && text[s.i] == '}')
+			break;
+		if (s.i >= s.len || text[s.i] != ',')
+			goto bad;
+		s.i++;
+		skip_ws(&s);
+	}
+	buf_free(&name);
+	return found;
+bad:
+	buf_free(&name);
+	return -EINVAL;
+}
+
+/* Whether jansson refuses the number p[0..n) (valid JSON): an integer outside json_int_t
+ * (strtoll's ERANGE) or a real that strtod overflows. */
+static int refused_number(const char *p, size_t n, bool *refused)
+{
+	static const char max_pos[] = "9223372036854775807", max_neg[] = "9223372036854775808";
+	bool neg = p[0] == '-';
+	const char *digits = p + neg;
+	size_t nd = n - neg;
+	char small[64], *copy = small;
+	double d;
+
+	if (!memchr(p, '.', n) && !memchr(p, 'e', n) && !memchr(p, 'E', n)) {
+		*refused = nd > 19 || (nd == 19 && memcmp(digits, neg ? max_neg : max_pos, 19) > 0);
+		return 0;
+	}
+	if (n >= sizeof(small) && !(copy = malloc(n + 1)))
+		return -ENOMEM;
+	memcpy(copy, p, n);
+	copy[n] = '\0';
+	errno = 0;
+	d = strtod(copy, NULL);
+	*refused = errno == ERANGE && (d == HUGE_VAL || d == -HUGE_VAL);
+	if (copy != small)
+		free(copy);
+	return 0;
+}
+
+int jscan_tame_numbers(const char *text, size_t len, struct buf *out, size_t *n)
+{
+	size_t i = 0, copied = 0;
+
+	*n = 0;
+	while (i < len) {
+		char c = text[i];
+		if (c == '"') {
+			for (i++; i < len && text[i] != '"'; i++)
+				if (text[i] == '\\')
+					i++;
+			i++;
+			continue;
+		}
+		if (c == '-' || is_digit(c)) {
+			size_t j = i;
+			struct scan s;
+			struct jscan_value v;
+			bool refused = false;
+
+			while (j < len && (is_digit(text[j]) || text[j] == '-' || text[j] == '+' ||
+			                   text[j] == '.' || text[j] == 'e' || text[j] == 'E'))
+				j++;
+			s = (struct scan){text + i, j - i, 0, true};
+			if (scan_number(&s, &v) == 0 && s.i == j - i) {
+				if (refused_number(text + i, j - i, &refused) < 0)
+					return -ENOMEM;
+			}
+			if (refused) {
+				(*n)++;
+				if (out && (buf_append(out, text + copied, i - copied) < 0 ||
+				            buf_append(out, c == '-' ? "-1e300" : "1e300",
+				                       c == '-' ? 6 : 5) < 0))
+					return -ENOMEM;
+				copied = j;
+			}
+			i = j;
+			continue;
+		}
+		i++;
+	}
+	if (out && *n && buf_append(out, text + copied, len - copied) < 0)
+		return -ENOMEM;
+	return 0;
 }

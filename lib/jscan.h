@@ -62,4 +62,22 @@ int jscan_string(const struct jscan_value *v, struct buf *b);
 const struct jscan_member *jscan_find(const struct jscan_member *members, size_t n,
                                       const char *key, size_t len, bool *dup);
 
+/* jscan_value, but numbers of any size are accepted (jansson may refuse some): for text
+ * jansson has read once (the daemon's own answers, or a request whose numbers were tamed). */
+int jscan_value_loose(const char *text, size_t len, struct jscan_value *v, size_t *end);
+
+/* The value of the member named key (len bytes, unescaped) of the JSON object text[0..len)
+ * (surrounding white space allowed), looked for at the top level only, escaped keys
+ * decoded, numbers of any size: 1 and *v (the last such member, as jansson keeps), 0 when
+ * there is none, -EINVAL when the text is not such an object, -ENOMEM. */
+int jscan_object_get(const char *text, size_t len, const char *key, size_t key_len,
+                     struct jscan_value *v);
+
+/* Numbers that RFC 8259 allows and jansson refuses: integers outside 64 bits, reals beyond
+ * a double's range. Counts them in text[0..len) (outside strings) in *n and, when out is
+ * given and *n > 0, appends to it a copy of the text with each replaced by 1e300 (-1e300
+ * when negative), which jansson reads. Only what scans as a JSON number is replaced, so a
+ * text that was not JSON stays so. 0 or -ENOMEM. */
+int jscan_tame_numbers(const char *text, size_t len, struct buf *out, size_t *n);
+
 #endif

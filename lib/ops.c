@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "buf.h"
+#include "ddbitem.h"
 
 static const char *const op_names[OP_COUNT] = {
     [OP_UNKNOWN] = "unknown",
@@ -96,6 +97,8 @@ static bool is_blank(const char *str, size_t len)
 				return false;
 			cp = (cp << 6) | (s[i + k] & 0x3F);
 		}
+		if (n == 3 && cp < 0x800)
+			return false; /* an overlong form is invalid UTF-8, not white space */
 		if (!(cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
 		      cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000))
 			return false;
@@ -391,6 +394,36 @@ static enum error_code set_metadata_parse(const json_t *req, const json_t **id,
 	                           p, err);
 }
 
+/* Contents that alone are over DynamoDB's item limit: too_large found while checking the
+ * fields, so that it wins over their other problems (the exact check, with the rest of the
+ * item, is made when the message is built). */
+static enum error_code contents_size(enum error_code rc, const struct contents *ct,
+                                     struct error *err)
+{
+	size_t total = 0;
+
+	if (rc != ERR_OK)
+		return rc;
+	for (size_t i = 0; i < ct->n; i++)
+		total += ct->lens[i];
+	if (total > DDBITEM_MAX_BYTES)
+		return error_set(err, ERR_TOO_LARGE,
+		                 "contents: %zu bytes, over DynamoDB's item limit of %d bytes",
+		                 total, DDBITEM_MAX_BYTES);
+	return ERR_OK;
+}
+
+/* rc2 (with e2) if it comes before *rc in protocol.md's table (too_large first), so that
+ * the first in the table wins whatever order the fields are checked in. */
+static void keep_first(enum error_code *rc, struct error *err, enum error_code rc2,
+                       const struct error *e2)
+{
+	if (rc2 != ERR_OK && (*rc == ERR_OK || rc2 < *rc)) {
+		*rc = rc2;
+		*err = *e2;
+	}
+}
+
 enum error_code ops_check(enum op op, const json_t *req, struct error *err)
 {
 	struct contents ct;
@@ -404,21 +437,22 @@ enum error_code ops_check(enum op op, const json_t *req, struct error *err)
 	size_t nids, nversions;
 	bool b;
 	enum error_code rc = ERR_OK;
+	struct error e2;
 
 	if (op <= OP_UNKNOWN || op >= OP_COUNT)
 		return error_set(err, ERR_UNKNOWN_OP, "op: unknown operation");
 	if (!json_is_object(req))
 		return error_set(err, ERR_BAD_REQUEST, "request: expected an object");
+	/* Every field is checked, even after a problem, for a too_large further on. */
 	switch (op) {
 	case OP_ADD_MESSAGE:
 	case OP_ADD_USER:
 	case OP_ADD_ASSISTANT:
-		if (op == OP_ADD_MESSAGE && (rc = role_parse(req, &role, err)))
-			break;
-		rc = contents_parse(req, &ct, err);
+		if (op == OP_ADD_MESSAGE)
+			rc = role_parse(req, &role, err);
+		keep_first(&rc, err, contents_size(contents_parse(req, &ct, &e2), &ct, &e2), &e2);
 		contents_free(&ct);
-		if (!rc)
-			rc = metadata_parse(req, &patch, err);
+		keep_first(&rc, err, metadata_parse(req, &patch, &e2), &e2);
 		break;
 	case OP_GET_MESSAGES:
 		rc = render_parse(req, &fmt, err);
@@ -427,10 +461,9 @@ enum error_code ops_check(enum op op, const json_t *req, struct error *err)
 		rc = summary_format_parse(req, &f, err);
 		break;
 	case OP_ADD_SUMMARY:
-		rc = contents_parse(req, &ct, err);
+		rc = contents_size(contents_parse(req, &ct, err), &ct, err);
 		contents_free(&ct);
-		if (!rc)
-			rc = ids_parse(req, &ids, &nids, &versions, &nversions, err);
+		keep_first(&rc, err, ids_parse(req, &ids, &nids, &versions, &nversions, &e2), &e2);
 		free(ids);
 		free(versions);
 		break;

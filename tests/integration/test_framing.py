@@ -178,6 +178,22 @@ def test_blank_lines_ignored(conn):
     assert not readable(c.sock, 0.05)
 
 
+def test_unicode_white_space_lines_ignored(conn):
+    """protocol.md: a line of only white space (Unicode's White_Space, as for blank
+    contents) is blank; an invalid UTF-8 line or other invisible characters are not."""
+    c = conn
+    c.send_raw(b"\x0c\n\x0b\n \x0b\x0c\t\r\n\xc2\xa0\n\xc2\x85\n\xe3\x80\x80\xe2\x80\xa8 \n"
+               b"\xe1\x9a\x80\xe2\x80\x8a\xe2\x80\xaf\xe2\x81\x9f\n" + frame({"id": 1, "op": "ping"}))
+    assert c.recv()["id"] == 1
+    for junk in [b"\xe2\x80\x8b", b"\xe0\x82\x85", b"\xc2", b"\x00", b"\x0c x"]:
+        # U+200B (not White_Space), an overlong U+0085, a cut sequence, NUL, text.
+        c.send_raw(junk + b"\n")
+        r = c.recv()
+        assert r["ok"] is False and r["error"]["code"] == "parse_error", (junk, r)
+    assert c.request({"id": 2, "op": "ping"})["id"] == 2
+    assert not readable(c.sock, 0.05)
+
+
 def test_line_limit_exact(daemon_factory):
     d = daemon_factory(["--max-line-bytes", "1000"])
     c = d.connect()

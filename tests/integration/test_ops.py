@@ -561,6 +561,81 @@ def test_ids_echoed_unchanged(conn):
     assert "id" not in r and r["ok"] is False
 
 
+def test_numbers_jansson_cannot_hold(conn):
+    """protocol.md: numbers are JSON's, of any size. Integers beyond 64 bits and reals
+    beyond a double are valid JSON: in the id they are echoed byte for byte, in ignored
+    fields they change nothing, where a field reads them they are out of range, and in
+    what the conversation keeps (aux, metadata) they are refused, never stored changed."""
+    c = conn
+    for raw in [b"12345678901234567890", b"-9223372036854775809", b"1e400", b"-1E+999",
+                b"0.1", b"1e2", b"-0", b"1.50", b'[1,99999999999999999999,{"a":-1e999}]']:
+        c.send_raw(b'{"id":' + raw + b',"op":"ping"}\n')
+        line = c.recv_line()
+        assert line.startswith(b'{"id":' + raw + b',"ok":true,'), line
+        c.send_raw(b'{"id":' + raw + b',"op":"describe","conversation":"nope"}\n')
+        line = c.recv_line()
+        assert line.startswith(b'{"id":' + raw + b',"ok":false,'), line
+        assert json.loads(line)["error"]["code"] == "not_found"
+    # Ignored fields: the request runs as without them.
+    c.send_raw(b'{"id":1,"op":"add_user","conversation":"big","contents":"a",'
+               b'"x":1e400,"y":[123456789012345678901234567890]}\n')
+    r = json.loads(c.recv_line())
+    assert r["ok"] is True and r["result"]["message"]["message"]["contents"] == ["a"], r
+    mid = r["result"]["message"]["id"]
+    before = full_log(c, "big")
+    # Read by a field: out of range, or refused where it would be kept.
+    for line, msg in [
+            (b'{"id":2,"op":"add_user","conversation":"big","contents":"b",'
+             b'"metadata":{"timing":{"playStart":9223372036854775808}}}', "playStart"),
+            (b'{"id":3,"op":"add_user","conversation":"big","contents":"b",'
+             b'"metadata":{"aux":{"n":1e999}}}', "metadata: holds a number out of range"),
+            (b'{"id":4,"op":"set_metadata","conversation":"big","message_id":"' +
+             mid.encode() + b'","aux":{"n":[18446744073709551616]}}',
+             "aux: holds a number out of range"),
+            (b'{"id":5,"op":"to_messages_map","conversation":"big","incremental":1e999}',
+             "incremental"),
+            (b'{"id":6,"op":"add_summary","conversation":"big","contents":"s","ids":["' +
+             mid.encode() + b'"],"versions":[99999999999999999999]}', "versions")]:
+        c.send_raw(line + b"\n")
+        r = json.loads(c.recv_line())
+        assert r["ok"] is False and r["error"]["code"] == "bad_request", (line, r)
+        assert msg in r["error"]["message"], (line, r)
+        assert r["id"] == json.loads(line)["id"]
+    assert full_log(c, "big") == before
+    # Such numbers in aux of a request that is not kept (get_messages ignores metadata).
+    c.send_raw(b'{"id":7,"op":"get_messages","conversation":"big","metadata":{"aux":1e999}}\n')
+    assert json.loads(c.recv_line())["ok"] is True
+    # Invalid JSON stays parse_error, naming the real fault rather than the number.
+    c.send_raw(b'{"id":8,"op":"ping","x":1e400\n')
+    r = json.loads(c.recv_line())
+    assert r["ok"] is False and r["error"]["code"] == "parse_error" and "id" not in r, r
+    assert "expected" in r["error"]["message"], r
+
+
+def test_too_large_wins_over_other_field_problems(conn):
+    """protocol.md: the first code in the table wins; contents over DynamoDB's item limit
+    are too_large whatever else is wrong with the request."""
+    c = conn
+    big = "x" * 500000
+    cases = [
+        {"op": "add_user", "conversation": "tl", "contents": big,
+         "metadata": {"timing": {"playStart": -1}}},
+        {"op": "add_message", "role": "system", "conversation": "tl", "contents": big},
+        {"op": "add_assistant", "conversation": "tl", "contents": [big],
+         "metadata": {"bogus": 1}},
+        {"op": "add_summary", "conversation": "tl-none", "contents": big, "ids": [5]},
+    ]
+    for i, req in enumerate(cases):
+        e = c.err(dict(req, id=i), "too_large")
+        assert "contents: 500000 bytes" in e["message"], e
+    # Within the limit, the other problem is what is answered.
+    c.err({"op": "add_user", "conversation": "tl", "contents": "x",
+           "metadata": {"timing": {"playStart": -1}}}, "bad_request")
+    c.err({"op": "add_summary", "conversation": "tl-none", "contents": "s", "ids": [5]},
+          "bad_request")
+    assert c.ok({"op": "list"}) == {"conversations": []}
+
+
 def test_unknown_top_level_fields_ignored(conn):
     c = conn
     r = c.ok({"op": "add_user", "conversation": "fw", "contents": "x", "future": {"a": [1]}, "priority": 3})
@@ -877,4 +952,7 @@ def test_stats_store(daemon_factory):
     n = daemon_factory(["--memory-only"]).connect()
     add(n, "add_user", "st-n", "hello")
     assert stats(n)["store"] is None
+    # The sink's keys are there all the same (proto: every key always present).
+    assert set(stats(n)["sink"]) == set(stats(c)["sink"])
+    assert stats(n)["sink"]["kind"] == "none" and stats(n)["sink"]["inflight"] == 0
     assert "convod_store" not in n.ok({"op": "stats", "format": "prometheus"})["text"]

@@ -395,11 +395,109 @@ static void test_oracle(void)
 	CHECK(accepted_mutants > 0 && accepted_mutants < mutants);
 }
 
+/* jscan_tame_numbers against jansson: a number is replaced exactly when jansson refuses the
+ * text for it, and jansson reads the tamed text. */
+static void test_tame(void)
+{
+	static const struct {
+		const char *in, *out; /* out NULL: nothing to tame */
+	} cases[] = {
+	    {"{\"a\":9223372036854775807}", NULL},
+	    {"{\"a\":9223372036854775808}", "{\"a\":1e300}"},
+	    {"{\"a\":-9223372036854775808}", NULL},
+	    {"{\"a\":-9223372036854775809}", "{\"a\":-1e300}"},
+	    {"{\"a\":12345678901234567890123}", "{\"a\":1e300}"},
+	    {"{\"a\":1e308}", NULL},
+	    {"{\"a\":1e309}", "{\"a\":1e300}"},
+	    {"{\"a\":-1.5E+400}", "{\"a\":-1e300}"},
+	    {"{\"a\":1e-400}", NULL}, /* underflow: jansson reads 0 */
+	    {"{\"a\":0.0000001e310}", NULL},
+	    {"{\"a\":\"12345678901234567890\"}", NULL},
+	    {"{\"a\":\"x\\\"99999999999999999999\",\"b\":[1e999, {\"c\":-1e999}]}",
+	     "{\"a\":\"x\\\"99999999999999999999\",\"b\":[1e300, {\"c\":-1e300}]}"},
+	    {"{\"id\":99999999999999999999,\"op\":\"ping\"}", "{\"id\":1e300,\"op\":\"ping\"}"},
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		const char *in = cases[i].in;
+		struct buf b = {NULL, 0, 0};
+		size_t n = 99;
+		json_error_t e;
+		json_t *j = json_loadb(in, strlen(in), JSON_ALLOW_NUL, &e);
+
+		CHECK(jscan_tame_numbers(in, strlen(in), &b, &n) == 0);
+		CHECK((n > 0) == (cases[i].out != NULL));
+		CHECK((j == NULL) == (n > 0)); /* jansson refuses it for those numbers only */
+		json_decref(j);
+		if (cases[i].out) {
+			CHECK(b.len == strlen(cases[i].out) &&
+			      memcmp(b.data, cases[i].out, b.len) == 0);
+			j = json_loadb(b.data, b.len, JSON_ALLOW_NUL, &e);
+			CHECK(j != NULL);
+			json_decref(j);
+		} else {
+			CHECK(b.len == 0);
+		}
+		buf_free(&b);
+		/* Counting only. */
+		CHECK(jscan_tame_numbers(in, strlen(in), NULL, &n) == 0 &&
+		      (n > 0) == (cases[i].out != NULL));
+	}
+	/* Invalid JSON stays invalid: a run that is no number is left alone. */
+	{
+		static const char *const bad[] = {"{\"a\":1e999", "{\"a\":1e5000-3}", "{\"a\":--1}",
+		                                  "{\"a\":\"99999999999999999999}"};
+		for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+			struct buf b = {NULL, 0, 0};
+			size_t n = 0;
+			json_error_t e;
+			json_t *j;
+			CHECK(jscan_tame_numbers(bad[i], strlen(bad[i]), &b, &n) == 0);
+			j = n ? json_loadb(b.data, b.len, JSON_ALLOW_NUL, &e) : NULL;
+			CHECK(j == NULL);
+			buf_free(&b);
+		}
+	}
+}
+
+/* jscan_object_get: the top-level member's raw value, as jansson would pick it. */
+static void test_object_get(void)
+{
+	struct jscan_value v;
+	const char *t;
+
+	t = " {\"x\":{\"id\":1},\"id\":12345678901234567890 ,\"y\":2} ";
+	CHECK(jscan_object_get(t, strlen(t), "id", 2, &v) == 1);
+	CHECK(v.type == JSCAN_INTEGER && v.len == 20 &&
+	      memcmp(v.p, "12345678901234567890", 20) == 0);
+	t = "{\"id\":1,\"\\u0069d\":[1e999, \"a\"]}"; /* an escaped key; the last one wins */
+	CHECK(jscan_object_get(t, strlen(t), "id", 2, &v) == 1);
+	CHECK(v.type == JSCAN_ARRAY && v.len == 12 && memcmp(v.p, "[1e999, \"a\"]", 12) == 0);
+	t = "{\"id\":\"a\\\"b\"}";
+	CHECK(jscan_object_get(t, strlen(t), "id", 2, &v) == 1);
+	CHECK(v.type == JSCAN_STRING && v.escaped && v.len == 4);
+	t = "{\"x\":{\"id\":1}}";
+	CHECK(jscan_object_get(t, strlen(t), "id", 2, &v) == 0);
+	CHECK(jscan_object_get("{}", 2, "id", 2, &v) == 0);
+	CHECK(jscan_object_get("[]", 2, "id", 2, &v) == -EINVAL);
+	CHECK(jscan_object_get("{\"id\":1", 7, "id", 2, &v) == -EINVAL);
+	CHECK(jscan_object_get("{\"id\":01}", 9, "id", 2, &v) == -EINVAL);
+	/* jscan_value_loose takes what jscan_value leaves to jansson. */
+	{
+		size_t end;
+		t = "1e999,";
+		CHECK(jscan_value(t, strlen(t), &v, &end) < 0);
+		CHECK(jscan_value_loose(t, strlen(t), &v, &end) == 0 && end == 5 &&
+		      v.type == JSCAN_REAL);
+	}
+}
+
 int main(void)
 {
 	test_members();
 	test_refused();
 	test_strings();
 	test_oracle();
+	test_tame();
+	test_object_get();
 	return test_done("jscan");
 }
