@@ -28,6 +28,7 @@ enum {
 	FLAG_SINK_DIRTY = 1u << 1,  /* on d->sink_dirty */
 	FLAG_CLOSING = 1u << 2,     /* closed: dropped from memory once the sink confirmed all */
 	FLAG_FROM_REMOTE = 1u << 3, /* restored from DynamoDB: stored as confirmed there */
+	FLAG_MARKS_DIRTY = 1u << 5, /* on d->marks_dirty: the client's marks moved since stored */
 	/* Its conversations row is committed and open: a turn writes only its messages (the
 	 * row's updated time may lag; loading takes the newest of the messages' own). Saves a
 	 * page of the conversations table per conversation and turn. */
@@ -134,10 +135,75 @@ static bool sink_has_pending(const struct convo *c)
 }
 
 /* Removes c from the registry and the lists, and frees it. */
+/* The client's marks (what incremental to_messages_map has returned) are part of each
+ * message's record in the store, written when the message changes. A call that moved them
+ * puts the conversation on d->marks_dirty, from index `from` on; the flush tick (and close,
+ * and the stop) writes those messages again (persist_marks), so that a restart or a
+ * restore after close goes on where the client was. Not in the call's own commit: its answer
+ * is on its way first, so a crash re-sends messages (the client can tell them by id)
+ * rather than losing them, and a client polling to_messages_map costs no write per call. */
+static void mark_marks_dirty(struct dispatch *d, struct convo *c, size_t from)
+{
+	if (!d->store)
+		return;
+	if (c->daemon_flags & FLAG_MARKS_DIRTY) {
+		if (from < c->daemon_marks_from)
+			c->daemon_marks_from = from;
+		return;
+	}
+	c->daemon_flags |= FLAG_MARKS_DIRTY;
+	c->daemon_marks_from = from;
+	c->daemon_prev_marks = NULL;
+	c->daemon_next_marks = d->marks_dirty;
+	if (d->marks_dirty)
+		d->marks_dirty->daemon_prev_marks = c;
+	d->marks_dirty = c;
+}
+
+static void unmark_marks_dirty(struct dispatch *d, struct convo *c)
+{
+	if (!(c->daemon_flags & FLAG_MARKS_DIRTY))
+		return;
+	c->daemon_flags &= ~(unsigned int)FLAG_MARKS_DIRTY;
+	if (c->daemon_prev_marks)
+		c->daemon_prev_marks->daemon_next_marks = c->daemon_next_marks;
+	else
+		d->marks_dirty = c->daemon_next_marks;
+	if (c->daemon_next_marks)
+		c->daemon_next_marks->daemon_prev_marks = c->daemon_prev_marks;
+	c->daemon_next_marks = c->daemon_prev_marks = NULL;
+}
+
+/* Has the group commit write again the messages whose client marks moved (their records
+ * carry the marks). */
+static void persist_marks(struct dispatch *d, struct convo *c)
+{
+	size_t lo = c->nlog;
+
+	if (!(c->daemon_flags & FLAG_MARKS_DIRTY))
+		return;
+	for (size_t i = c->daemon_marks_from; i < c->nlog; i++) {
+		struct message *m = c->log[i];
+		if (m->seen[CONSUMER_CLIENT] == m->version &&
+		    m->seen[CONSUMER_STORE] == m->version) {
+			m->seen[CONSUMER_STORE] = 0;
+			if (lo == c->nlog)
+				lo = i;
+		}
+	}
+	unmark_marks_dirty(d, c);
+	if (lo < c->nlog) {
+		if (c->scan_from[CONSUMER_STORE] > lo)
+			c->scan_from[CONSUMER_STORE] = lo;
+		mark_store_dirty(d, c);
+	}
+}
+
 static void drop_conversation(struct dispatch *d, struct convo *c)
 {
 	d->dropped_since_trim++;
 	unmark_sink_dirty(d, c);
+	unmark_marks_dirty(d, c);
 	convo_free(registry_take(&d->reg, c->id, c->id_len));
 }
 
@@ -325,6 +391,7 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 			continue;
 		}
 		unmark_sink_dirty(d, c);
+		unmark_marks_dirty(d, c); /* the store's marks are the fresh copy's */
 		convo_free(registry_take(&d->reg, c->id, c->id_len));
 		if (registry_put(&d->reg, fresh) < 0) {
 			convo_free(fresh);
@@ -639,6 +706,10 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 	for (c = d->sink_dirty; c; c = next) {
 		next = c->daemon_next_sink;
 		sink_take(d, c, all || now - c->updated_ms >= (int64_t)d->cfg->idle_ms);
+	}
+	for (c = d->marks_dirty; c; c = next) {
+		next = c->daemon_next_marks;
+		persist_marks(d, c);
 	}
 	dispatch_commit(d, true);
 	/* Nothing committed for a whole tick: let the store fold what it holds in memory and
@@ -1429,11 +1500,15 @@ static bool fast_read(struct dispatch *d, const struct fast_req *f, struct buf *
 	{
 		struct reqid rid = {NULL, f->raw_id, f->raw_id_len};
 		struct emit_ctx ec = {d, out, f->raw_id ? &rid : NULL, f->op, out->len};
+		uint64_t takes = c->client_takes;
+		size_t from = c->scan_from[CONSUMER_CLIENT];
 		if (ops_read_direct(f->op, c, &args, emit_answer, &ec, &err) != ERR_OK) {
 			if (created)
 				drop_conversation(d, c);
 			return false;
 		}
+		if (c->client_takes != takes)
+			mark_marks_dirty(d, c, from);
 	}
 	*res = DISPATCH_DONE;
 	return true;
@@ -1881,7 +1956,9 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 				/* Memory only: nothing else holds it, so it is gone for good. */
 				drop_conversation(d, c);
 			} else {
-				int rc = ensure_tx(d);
+				int rc;
+				persist_marks(d, c); /* written with the close, below */
+				rc = ensure_tx(d);
 				if (rc == 0)
 					rc = store_set_closed(d->store, c->id, c->id_len,
 					                      dispatch_now_ms());
@@ -1917,6 +1994,8 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	}
 	{
 		struct emit_ctx ec = {d, out, idp, op, out->len};
+		uint64_t takes = c->client_takes;
+		size_t from = c->scan_from[CONSUMER_CLIENT];
 		code = ops_run_emit(op, c, &env, req, emit_answer, &ec, &changed, &err);
 		if (code != ERR_OK) {
 			if (created)
@@ -1924,6 +2003,8 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			c = NULL;
 			goto fail;
 		}
+		if (c->client_takes != takes)
+			mark_marks_dirty(d, c, from);
 		if (changed) {
 			mark_store_dirty(d, c);
 			mark_sink_dirty(d, c);

@@ -74,6 +74,7 @@ struct dispatch {
 	int tx_error;             /* a store write of this turn failed: the commit must fail */
 	struct convo *store_dirty; /* changed since the last successful commit */
 	struct convo *sink_dirty;  /* with messages the flusher has not taken (remote only) */
+	struct convo *marks_dirty; /* whose client marks moved since stored (persist_marks) */
 	struct spool_entry *spooled;
 	size_t nspooled, capspooled;
 	struct closing *closing;

@@ -867,6 +867,8 @@ size_t convo_take(struct convo *c, enum consumer who, bool exclude_last,
 		n++;
 	}
 	advance_scan(c, who, end);
+	if (who == CONSUMER_CLIENT && n)
+		c->client_takes++;
 	return n;
 }
 

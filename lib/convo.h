@@ -35,10 +35,13 @@ struct convo {
 	size_t text_bytes;      /* sum of message_text_bytes over the log */
 	int64_t updated_ms;     /* last change of anything in the conversation */
 	size_t scan_from[CONSUMER_COUNT]; /* no message before this index is unseen by that consumer */
+	uint64_t client_takes; /* incremental to_messages_map calls that marked something */
 	/* The daemon's bookkeeping (dirty lists of the group commit and the flusher, closing);
 	 * zeroed by convo_new, never read or written by the library. */
 	unsigned int daemon_flags;
 	struct convo *daemon_next_store, *daemon_next_sink, *daemon_prev_sink;
+	struct convo *daemon_next_marks, *daemon_prev_marks;
+	size_t daemon_marks_from;  /* the client's marks may have moved from this index on */
 	uint64_t daemon_store_seq; /* the last store transaction that wrote it */
 };
 

@@ -1298,3 +1298,47 @@ def test_closed_conversations_stay_closed_after_restart(daemon_factory, how):
     # The conversation's last change is the new message's, not its row's first write.
     updated = {x["conversation"]: x["updated"] for x in listed}
     assert updated["keep"] >= before_ms, (listed, before_ms)
+
+
+def _taken(c, conv, exclude_last=True):
+    return [m["message"]["contents"] for m in c.ok(
+        {"op": "to_messages_map", "conversation": conv, "exclude_last": exclude_last})["messages"]]
+
+
+def test_client_marks_survive_a_restart(daemon_factory):
+    """persistence.md: a restart resumes and clients carry on as if nothing happened. What
+    incremental to_messages_map has returned is saved by the flush tick after the call
+    (and by a stop): a clean restart, or a kill -9 once a tick has passed, does not return
+    those messages again; a kill -9 before the tick may return them again (at least once),
+    never loses one."""
+    d = daemon_factory(["--flush-interval", "100"])
+    c = d.connect()
+    for i, op in enumerate(["add_user", "add_assistant", "add_user"]):
+        c.ok({"op": op, "conversation": "mk", "contents": "m%d" % i})
+    c.ok({"op": "add_user", "conversation": "other", "contents": "o"})
+    assert _taken(c, "mk") == [["m0"], ["m1"]]
+    assert d.stop() == 0, d.log()  # at once: no tick since the call
+    d.start()
+    c = d.connect()
+    assert _taken(c, "mk") == []
+    assert _taken(c, "mk", False) == [["m2"]]
+    assert _taken(c, "other", False) == [["o"]]
+    time.sleep(0.5 * TIMEOUT_SCALE)  # a few ticks
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d.start()
+    c = d.connect()
+    assert _taken(c, "mk", False) == [] and _taken(c, "other", False) == []
+    # Taken right before a kill -9: returned again, or not, but never lost.
+    c.ok({"op": "add_assistant", "conversation": "mk", "contents": "a3"})
+    c.ok({"op": "add_user", "conversation": "mk", "contents": "u4"})
+    assert _taken(c, "mk", False) == [["a3"], ["u4"]]
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d.start()
+    c = d.connect()
+    again = _taken(c, "mk", False)
+    assert again in ([], [["a3"], ["u4"]]), again
+    assert [m["message"]["contents"] for m in c.ok(
+        {"op": "to_messages_map", "conversation": "mk", "incremental": False})["messages"]] == \
+        [["m0"], ["m1"], ["m2"], ["a3"], ["u4"]]
