@@ -15,6 +15,10 @@
 
 #define DISPATCH_PURGE_FIRST_MS 60000   /* the first retention purge after the start */
 #define DISPATCH_PURGE_EVERY_MS 3600000 /* and the next ones */
+/* persistence.md: the flusher runs every flush interval, "or sooner when enough is
+ * pending": this many changes to send since the last tick (ten rounds of full batches at
+ * the default 25 items and 8 in flight) ask for a tick now (dispatch.flush_soon). */
+#define DISPATCH_FLUSH_SOON_CHANGES 2000
 
 int64_t dispatch_now_ms(void)
 {
@@ -101,7 +105,11 @@ static void mark_store_dirty(struct dispatch *d, struct convo *c)
 
 static void mark_sink_dirty(struct dispatch *d, struct convo *c)
 {
-	if (!d->remote || (c->daemon_flags & FLAG_SINK_DIRTY))
+	if (!d->remote)
+		return;
+	if (++d->sink_changes == DISPATCH_FLUSH_SOON_CHANGES && d->flush_soon)
+		d->flush_soon(d->flush_soon_arg);
+	if (c->daemon_flags & FLAG_SINK_DIRTY)
 		return;
 	c->daemon_flags |= FLAG_SINK_DIRTY;
 	c->daemon_prev_sink = NULL;
@@ -703,6 +711,9 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 	struct convo *c, *next;
 	bool quiet;
 
+	if (d->sink_changes >= DISPATCH_FLUSH_SOON_CHANGES)
+		d->stats.flushes_early++;
+	d->sink_changes = 0;
 	for (c = d->sink_dirty; c; c = next) {
 		next = c->daemon_next_sink;
 		sink_take(d, c, all || now - c->updated_ms >= (int64_t)d->cfg->idle_ms);

@@ -75,6 +75,11 @@ struct dispatch {
 	struct convo *store_dirty; /* changed since the last successful commit */
 	struct convo *sink_dirty;  /* with messages the flusher has not taken (remote only) */
 	struct convo *marks_dirty; /* whose client marks moved since stored (persist_marks) */
+	/* Changes for the sink since the last flush tick; at DISPATCH_FLUSH_SOON_CHANGES
+	 * flush_soon(flush_soon_arg) is called (main: the tick runs at once). */
+	size_t sink_changes;
+	void (*flush_soon)(void *arg);
+	void *flush_soon_arg;
 	struct spool_entry *spooled;
 	size_t nspooled, capspooled;
 	struct closing *closing;

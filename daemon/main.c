@@ -73,6 +73,15 @@ static int make_dirs(const char *path)
 	return rc;
 }
 
+static void on_flush_timer(uv_timer_t *t);
+
+/* Enough is pending for the sink: the next tick now, then every interval again. */
+static void on_flush_soon(void *arg)
+{
+	struct daemon *d = arg;
+	uv_timer_start(&d->flush_timer, on_flush_timer, 0, d->cfg.flush_interval_ms);
+}
+
 static void on_flush_timer(uv_timer_t *t)
 {
 	struct daemon *d = t->data;
@@ -114,6 +123,7 @@ static void on_stopped(struct server *s)
 
 	uv_timer_stop(&d->flush_timer);
 	uv_close((uv_handle_t *)&d->flush_timer, NULL);
+	d->dispatch.flush_soon = NULL;
 	/* Every conversation's last message goes to the spool, then the flusher drains it:
 	 * what the spool takes now is handed to the sink once written. */
 	dispatch_flush_tick(&d->dispatch, true);
@@ -374,6 +384,8 @@ int main(int argc, char **argv)
 	d.flush_timer.data = &d;
 	uv_timer_start(&d.flush_timer, on_flush_timer, d.cfg.flush_interval_ms,
 		       d.cfg.flush_interval_ms);
+	d.dispatch.flush_soon = on_flush_soon;
+	d.dispatch.flush_soon_arg = &d;
 	log_msg(LOG_INFO, "main", "convod %s ready (%s, durability %s)", CONVOD_VERSION,
 		d.store ? "local store" : "memory only",
 		store_durability_str((enum durability)d.cfg.durability));

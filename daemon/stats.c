@@ -70,6 +70,7 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 	     put_int(res, "conversations", s->conversations) &&
 	     put_int(res, "messages", s->messages) && put(res, "requests", json_incref(reqs)) &&
 	     put(res, "errors", json_incref(errs)) && put_int(res, "flushed", s->flushed) &&
+	     put_int(res, "flushes_early", s->flushes_early) &&
 	     put(res, "spool", json_incref(spool)) && put(res, "sink", json_incref(sink));
 	json_decref(by_op);
 	json_decref(by_code);
@@ -112,6 +113,7 @@ static bool prom_is_counter(const char *name)
 	    "convod_requests_time_ns_by_op_total",
 	    "convod_errors_by_code_total",
 	    "convod_flushed",
+	    "convod_flushes_early",
 	    "convod_sink_writes_sent",
 	    "convod_sink_confirmed",
 	    "convod_sink_retried",

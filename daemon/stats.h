@@ -22,6 +22,7 @@ struct stats {
 	uint64_t messages;        /* messages in memory, over every conversation */
 	uint64_t conversations;   /* conversations in memory */
 	uint64_t flushed;         /* messages handed to the sink */
+	uint64_t flushes_early;   /* flush ticks run before their interval: enough was pending */
 };
 
 /* Counts one answered request: op (OP_UNKNOWN for unreadable lines) and its code. */

@@ -1342,3 +1342,43 @@ def test_client_marks_survive_a_restart(daemon_factory):
     assert [m["message"]["contents"] for m in c.ok(
         {"op": "to_messages_map", "conversation": "mk", "incremental": False})["messages"]] == \
         [["m0"], ["m1"], ["m2"], ["a3"], ["u4"]]
+
+
+def _pipelined_adds(c, convs, per_conv, tag):
+    """per_conv messages (alternating roles, so none merges) in each of convs, sent in
+    one write and all answered ok."""
+    lines = []
+    for i in range(per_conv):
+        for conv in convs:
+            lines.append(json.dumps({"op": "add_user" if i % 2 == 0 else "add_assistant",
+                                     "conversation": conv, "contents": "%s %d" % (tag, i)}))
+    c.send_raw(("\n".join(lines) + "\n").encode())
+    for _ in lines:
+        assert c.recv()["ok"] is True
+
+
+def test_flush_sooner_when_enough_is_pending(dynalite, ddb_table, daemon_factory):
+    """persistence.md: the flusher runs every flush interval, "or sooner when enough is
+    pending". With an interval of a minute, 2000 changes start a flush at once (counted in
+    stats.flushes_early); fewer wait for the interval."""
+    d = ddb_daemon(daemon_factory, dynalite, ddb_table,
+                   ["--flush-interval", "60000", "--idle-ms", "600000"])
+    c = d.connect()
+    _pipelined_adds(c, ["few-%d" % k for k in range(50)], 10, "few")  # 500 changes
+    time.sleep(1.0)
+    assert stats(c)["flushes_early"] == 0
+    assert ddb.scan_all(dynalite, ddb_table) == []
+    convs = ["many-%d" % k for k in range(100)]
+    _pipelined_adds(c, convs, 16, "many")  # 1600 more: past 2000 since the start
+    st = wait_until(lambda: (lambda s: s if s["flushes_early"] >= 1 else None)(stats(c)),
+                    10 * TIMEOUT_SCALE, "an early flush")
+    assert st["flushes_early"] == 1 and st["flushed"] >= 1000, st
+    # What it took reaches the table without a flush request: every message but each
+    # conversation's last (exclude_last), of those the tick found.
+    items = wait_until(lambda: (lambda n: n if n >= st["flushed"] else None)(
+        len(ddb.scan_all(dynalite, ddb_table))), 20 * TIMEOUT_SCALE, "the items")
+    assert items == st["flushed"]
+    per = {}
+    for it in ddb.scan_all(dynalite, ddb_table):
+        per[it["conversation"]["S"]] = per.get(it["conversation"]["S"], 0) + 1
+    assert max(per.values()) <= 15 and per.get("many-0") == 15, per
