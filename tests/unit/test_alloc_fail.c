@@ -188,6 +188,15 @@ static const struct step script[] = {
      false},
     {STEP_LINE, "{\"id\":34,\"op\":\"get_messages\",\"conversation\":\"c2\",\"format\":\"openai\"}",
      false},
+    /* Numbers jansson refuses: read again tamed (an ignored field), refused in aux. */
+    {STEP_LINE,
+     "{\"id\":3.50,\"op\":\"add_assistant\",\"conversation\":\"c2\",\"contents\":\"big\","
+     "\"x\":[1e400,-12345678901234567890]}",
+     false},
+    {STEP_LINE,
+     "{\"id\":36,\"op\":\"add_user\",\"conversation\":\"c2\",\"contents\":\"b\","
+     "\"metadata\":{\"aux\":{\"n\":99999999999999999999}}}",
+     false},
 };
 #define NSTEPS (sizeof(script) / sizeof(script[0]))
 
