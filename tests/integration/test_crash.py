@@ -207,6 +207,30 @@ def test_kill9_durability_none(daemon_factory):
     assert d.stop() == 0, d.log()
 
 
+def test_durability_none_loses_at_most_a_flush_interval(daemon_factory):
+    """persistence.md: with durability none a crash loses at most one flush interval. What
+    was acknowledged more than an interval before the kill -9 is all there; what came
+    after may be lost, from the end only."""
+    scale = float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))
+    d = daemon_factory(["--durability", "none", "--flush-interval", "100"])
+    c = d.connect()
+    texts = ["old %d" % i for i in range(20)]
+    for i, t in enumerate(texts):
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "nd",
+              "contents": t})
+    time.sleep(0.5 * scale)  # several intervals
+    late = ["late %d" % i for i in range(6)]
+    for i, t in enumerate(late):
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "nd",
+              "contents": t})
+    kill9(d)
+    d.start()
+    c = d.connect()
+    got = [m["message"]["contents"][0] for m in full_log(c, "nd")]
+    assert got[:20] == texts, got
+    assert got[20:] == late[:len(got) - 20], got
+
+
 def test_kill9_dynamodb(dynalite, ddb_table, daemon_factory):
     print("crash seed %d (CONVOD_CRASH_SEED)" % SEED)
     rng = random.Random(SEED + 2)
