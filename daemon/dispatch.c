@@ -142,7 +142,6 @@ static bool sink_has_pending(const struct convo *c)
 	return false;
 }
 
-/* Removes c from the registry and the lists, and frees it. */
 /* The client's marks (what incremental to_messages_map has returned) are part of each
  * message's record in the store, written when the message changes. A call that moved them
  * puts the conversation on d->marks_dirty, from index `from` on; the flush tick (and close,
@@ -207,6 +206,7 @@ static void persist_marks(struct dispatch *d, struct convo *c)
 	}
 }
 
+/* Removes c from the registry and the lists, and frees it. */
 static void drop_conversation(struct dispatch *d, struct convo *c)
 {
 	d->dropped_since_trim++;
@@ -863,7 +863,6 @@ static void utf8_sanitize(char *msg)
 	}
 }
 
-/* Writes {"id":ID,"ok":false,"error":{...}}; id may be NULL (left out). */
 /* A request's id as its answer echoes it: its text as the request wrote it (raw), or
  * jansson's writing of the value. */
 struct reqid {
@@ -884,6 +883,7 @@ static int append_id(struct buf *out, const struct reqid *id)
 	return buf_append(out, ",", 1) < 0 ? -ENOMEM : 0;
 }
 
+/* Writes {"id":ID,"ok":false,"error":{...}}; id may be NULL (left out). */
 static void answer_error(struct dispatch *d, struct buf *out, const struct reqid *id, enum op op,
                          const struct error *err)
 {
@@ -1439,9 +1439,8 @@ struct fast_req {
 	enum op op;
 	const char *conv;
 	size_t conv_len;
-	const char *raw_id; /* the id's JSON text, echoed as written; NULL: none */
-	size_t raw_id_len;
-	bool dup; /* a member the path looked up appears twice */
+	struct reqid id; /* raw: the id's JSON text, echoed as written; NULL: none */
+	bool dup;        /* a member the path looked up appears twice */
 };
 
 /* The conversation found or made for a fast request, registered when new; false when the
@@ -1509,8 +1508,7 @@ static bool fast_read(struct dispatch *d, const struct fast_req *f, struct buf *
 	if (!c)
 		return true; /* waiting */
 	{
-		struct reqid rid = {NULL, f->raw_id, f->raw_id_len};
-		struct emit_ctx ec = {d, out, f->raw_id ? &rid : NULL, f->op, out->len};
+		struct emit_ctx ec = {d, out, f->id.raw ? &f->id : NULL, f->op, out->len};
 		uint64_t takes = c->client_takes;
 		size_t from = c->scan_from[CONSUMER_CLIENT];
 		if (ops_read_direct(f->op, c, &args, emit_answer, &ec, &err) != ERR_OK) {
@@ -1588,8 +1586,7 @@ static bool fast_add(struct dispatch *d, const struct fast_req *f, struct buf *o
 	args.lens = lens;
 	args.ntexts = ntexts;
 	{
-		struct reqid rid = {NULL, f->raw_id, f->raw_id_len};
-		struct emit_ctx ec = {d, out, f->raw_id ? &rid : NULL, f->op, out->len};
+		struct emit_ctx ec = {d, out, f->id.raw ? &f->id : NULL, f->op, out->len};
 		if (ops_add_direct(c, &env, &args, emit_answer, &ec, &changed, &err) != ERR_OK) {
 			if (created)
 				drop_conversation(d, c);
@@ -1611,7 +1608,7 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 {
 	struct jscan_member mem[FAST_MEMBERS];
 	const struct jscan_member *mop, *mconv, *mid;
-	struct fast_req f = {mem, 0, OP_UNKNOWN, NULL, 0, NULL, 0, false};
+	struct fast_req f = {mem, 0, OP_UNKNOWN, NULL, 0, {NULL, NULL, 0}, false};
 
 	if (jscan_object(line, len, mem, FAST_MEMBERS, &f.n) < 0 || f.n > FAST_MEMBERS)
 		return false;
@@ -1646,13 +1643,13 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 		/* Echoed as written where jansson would write it back the same. */
 		const struct jscan_value *v = &mid->value;
 		if (v->type == JSCAN_STRING && !v->escaped) {
-			f.raw_id = v->p - 1;
-			f.raw_id_len = v->len + 2;
+			f.id.raw = v->p - 1;
+			f.id.raw_len = v->len + 2;
 		} else if (v->type == JSCAN_NULL || v->type == JSCAN_TRUE ||
 		           v->type == JSCAN_FALSE ||
 		           (v->type == JSCAN_INTEGER && !(v->len == 2 && v->p[0] == '-'))) {
-			f.raw_id = v->p;
-			f.raw_id_len = v->len;
+			f.id.raw = v->p;
+			f.id.raw_len = v->len;
 		} else {
 			return false;
 		}
@@ -1661,6 +1658,21 @@ static bool dispatch_fast(struct dispatch *d, const char *line, size_t len, stru
 	if (f.op == OP_GET_MESSAGES || f.op == OP_TO_MESSAGES_MAP)
 		return fast_read(d, &f, out, waiter, remote, res);
 	return fast_add(d, &f, out, waiter, remote, res);
+}
+
+/* jansson's reading of a request; NULL with *oom when an allocation failed in it (jansson
+ * may then have dropped a byte or called this a syntax error: nothing is to be run). */
+static json_t *load_request(const char *text, size_t len, json_error_t *jerr, bool *oom)
+{
+	json_t *req;
+
+	ops_json_alloc_reset();
+	req = json_loadb(text, len, JSON_ALLOW_NUL, jerr);
+	if ((*oom = ops_json_alloc_failed())) {
+		json_decref(req);
+		req = NULL;
+	}
+	return req;
 }
 
 /* Whether the value v (a span of a request line) holds a number jansson refuses. */
@@ -1677,8 +1689,8 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	json_t *req = NULL, *result = NULL;
 	const json_t *id = NULL, *opv;
 	struct reqid rid = {NULL, NULL, 0}, *idp = NULL;
-	struct buf tamed = {0};
 	size_t ntamed = 0;
+	bool oom = false;
 	json_error_t jerr;
 	struct error err = {ERR_OK, ""}, err2 = {ERR_OK, ""};
 	enum op op = OP_UNKNOWN;
@@ -1696,42 +1708,29 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (dispatch_fast(d, line, len, out, waiter, remote, opp, &res))
 			return res;
 	}
-	ops_json_alloc_reset();
-	req = json_loadb(line, len, JSON_ALLOW_NUL, &jerr);
-	if (ops_json_alloc_failed()) {
-		/* jansson may have dropped a byte or called this a syntax error: run nothing. */
-		json_decref(req);
-		req = NULL;
-		error_set(&err, ERR_INTERNAL, "out of memory while reading the request");
-		goto fail;
-	}
-	if (!req) {
+	req = load_request(line, len, &jerr, &oom);
+	if (!req && !oom) {
 		/* Valid JSON that jansson refuses for numbers it cannot hold: read again with
 		 * those numbers tamed (jscan_tame_numbers). They may be in the id (echoed as
 		 * written), in fields the op ignores, or where a field holds them (refused
 		 * below, or out of range for its check); the line's own error stands otherwise. */
+		struct buf tamed = {0};
 		json_error_t jerr2;
-		if (jscan_tame_numbers(line, len, &tamed, &ntamed) < 0) {
-			error_set(&err, ERR_INTERNAL, "out of memory while reading the request");
+		if (jscan_tame_numbers(line, len, &tamed, &ntamed) < 0)
+			oom = true;
+		else if (ntamed > 0 && !(req = load_request(tamed.data, tamed.len, &jerr2, &oom)) &&
+		         !oom) {
+			/* Not only the numbers: the rest's error (its column would be the tamed
+			 * text's). */
+			buf_free(&tamed);
+			error_set(&err, ERR_PARSE_ERROR, "invalid JSON: %s", jerr2.text);
 			goto fail;
 		}
-		if (ntamed > 0) {
-			ops_json_alloc_reset();
-			req = json_loadb(tamed.data, tamed.len, JSON_ALLOW_NUL, &jerr2);
-			if (ops_json_alloc_failed()) {
-				json_decref(req);
-				req = NULL;
-				error_set(&err, ERR_INTERNAL,
-				          "out of memory while reading the request");
-				goto fail;
-			}
-			if (!req) {
-				/* Not only the numbers: the rest's error (its column would be the
-				 * tamed text's). */
-				error_set(&err, ERR_PARSE_ERROR, "invalid JSON: %s", jerr2.text);
-				goto fail;
-			}
-		}
+		buf_free(&tamed);
+	}
+	if (oom) {
+		error_set(&err, ERR_INTERNAL, "out of memory while reading the request");
+		goto fail;
 	}
 	if (!req) {
 		error_set(&err, ERR_PARSE_ERROR, "invalid JSON at column %d: %s", jerr.column,
@@ -1743,13 +1742,16 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto fail;
 	}
 	if ((id = json_object_get(req, "id"))) {
-		/* A number is echoed as written (jansson would write 0.1 as 0.10000000000000001,
-		 * and a tamed one as 1e300); so is any id holding a tamed number. */
+		/* Echoed as written where jansson would write it otherwise: a real (0.1 as
+		 * 0.10000000000000001), an integer 0 (which may have been -0), an id holding a
+		 * tamed number (1e300). Other integers it writes back the same: no second look at
+		 * the line for them, the usual ids. */
 		struct jscan_value v;
+		bool rewritten =
+		    json_is_real(id) || (json_is_integer(id) && json_integer_value(id) == 0);
 		rid.json = id;
-		if ((json_is_number(id) || ntamed > 0) &&
-		    jscan_object_get(line, len, "id", 2, &v) == 1 &&
-		    (json_is_number(id) || tamed_in(&v))) {
+		if ((rewritten || ntamed > 0) && jscan_object_get(line, len, "id", 2, &v) == 1 &&
+		    (rewritten || tamed_in(&v))) {
 			rid.raw = v.type == JSCAN_STRING ? v.p - 1 : v.p;
 			rid.raw_len = v.type == JSCAN_STRING ? v.len + 2 : v.len;
 		}
@@ -1864,7 +1866,6 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		}
 		answer_count(d, out, start, op, "retried", n);
 		json_decref(req);
-		buf_free(&tamed);
 		return DISPATCH_DONE;
 	}
 	case OP_CREATE_TABLE:
@@ -1877,7 +1878,6 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (remote == DISPATCH_REMOTE_CHECK) {
 			if (waiter && table_create_start(d, waiter) == 0) {
 				json_decref(req);
-				buf_free(&tamed);
 				return DISPATCH_WAIT;
 			}
 			remote = DISPATCH_REMOTE_FAILED;
@@ -1938,7 +1938,6 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			registry_each(&d->reg, flush_each, &ctx);
 			answer_count(d, out, start, op, "flushed", ctx.n);
 			json_decref(req);
-			buf_free(&tamed);
 			return DISPATCH_DONE;
 		}
 		break;
@@ -1951,7 +1950,6 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		break;
 	case FIND_WAIT:
 		json_decref(req);
-		buf_free(&tamed);
 		return DISPATCH_WAIT;
 	case FIND_FAIL:
 		goto fail;
@@ -1983,7 +1981,6 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		}
 		answer_count(d, out, start, op, "flushed", n);
 		json_decref(req);
-		buf_free(&tamed);
 		return DISPATCH_DONE;
 	}
 
@@ -2023,12 +2020,10 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		}
 	}
 	json_decref(req);
-	buf_free(&tamed);
 	return DISPATCH_DONE;
 ok:
 	answer_ok(d, out, idp, op, result);
 	json_decref(req);
-	buf_free(&tamed);
 	return DISPATCH_DONE;
 oom:
 	error_set(&err, ERR_INTERNAL, "out of memory");
@@ -2037,7 +2032,6 @@ fail:
 		log_msg(LOG_ERROR, "dispatch", "internal error: %s", err.message);
 	answer_error(d, out, idp, op, &err);
 	json_decref(req);
-	buf_free(&tamed);
 	return DISPATCH_DONE;
 }
 

@@ -871,6 +871,13 @@ def wait_for(pred, timeout=20.0, what="condition"):
         time.sleep(0.05)
 
 
+def _drop_table(endpoint, table):
+    try:
+        ddb.delete_table(endpoint, table, wait=False)
+    except (OSError, ddb.DdbError):
+        pass
+
+
 def test_create_table_with_dynalite(dynalite, daemon_factory):
     table = "convod-ctl-%s" % uuid.uuid4().hex[:12]
     assert table not in ddb.list_tables(dynalite)
@@ -899,17 +906,7 @@ def test_create_table_with_dynalite(dynalite, daemon_factory):
         wait_for(lambda: json.loads(run(["spool"], d.socket).stdout)["spool"]["items"] == 0,
                  what="an empty spool")
     finally:
-        try:
-            ddb.delete_table(dynalite, table, wait=False)
-        except (OSError, ddb.DdbError):
-            pass
-
-
-def _drop_table(endpoint, table):
-    try:
-        ddb.delete_table(endpoint, table, wait=False)
-    except (OSError, ddb.DdbError):
-        pass
+        _drop_table(dynalite, table)
 
 
 def test_writes_to_a_missing_table_wait_for_create_table(dynalite, daemon_factory):
