@@ -433,15 +433,15 @@ static void answer_copy_id(struct buf *to, const char *answer, size_t len)
 	}
 }
 
-void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len)
+void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len,
+                          enum op op)
 {
 	struct error err;
 	json_t *e;
 
 	error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later",
 	          d->fail_why ? d->fail_why : "the local store cannot be written");
-	d->stats.errors_total++;
-	d->stats.errors_by_code[ERR_UNAVAILABLE]++;
+	stats_error(&d->stats, op, ERR_UNAVAILABLE);
 	/* The same envelope as answer_error, without counting a request. */
 	e = json_pack("{s:s, s:s}", "code", "unavailable", "message", err.message);
 	buf_append(to, "{", 1);
@@ -2044,6 +2044,7 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 
 	d->answer_dependent = false;
 	r = dispatch_one(d, line, len, out, waiter, remote, &op);
+	d->answer_op = op;
 
 	d->stats.time_ns_by_op[op] += mono_ns() - t0;
 	return r;

@@ -95,6 +95,7 @@ struct dispatch {
 	uint64_t failures;        /* commits failed so far (the server compares) */
 	const char *fail_why;     /* the last failure, for the answers it turns into errors */
 	bool answer_dependent;    /* the answer dispatch_line wrote depends on the commit */
+	enum op answer_op;        /* the op of the request dispatch_line answered last */
 	bool store_failing;       /* the last commit failed (logged once until it recovers) */
 	struct restore_wait *restores; /* restores from DynamoDB (and create_table) in progress */
 	dispatch_ready_cb on_ready;
@@ -172,9 +173,11 @@ bool dispatch_progress(struct dispatch *d);
  * store's error. For the stop, before the sink drains. */
 int dispatch_sync(struct dispatch *d);
 
-/* Appends to `to` the `unavailable` answer that replaces the ok answer answer[0..len) after
- * a failed commit (the request's id kept). */
-void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len);
+/* Appends to `to` the `unavailable` answer that replaces the ok answer answer[0..len) to a
+ * request of op (d->answer_op when it was made) after a failed commit (the request's id
+ * kept). */
+void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len,
+                          enum op op);
 
 /* The flush timer: takes each conversation's new messages into the spool (the last one too
  * once the conversation is idle, or when all is set), commits, and purges closed

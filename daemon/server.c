@@ -37,6 +37,7 @@ struct dep {
 	uint64_t seq, epoch;
 	uint64_t sub; /* the dispatcher's nsubmits when it was made (dispatch_seq_after) */
 	size_t start, end;
+	enum op op; /* the request's, for the error count if its answer becomes unavailable */
 };
 
 struct conn {
@@ -204,6 +205,7 @@ static enum dispatch_result conn_dispatch(struct conn *c, const char *line, size
 		c->deps[c->ndeps].sub = d->nsubmits;
 		c->deps[c->ndeps].start = start;
 		c->deps[c->ndeps].end = c->out.len;
+		c->deps[c->ndeps].op = d->answer_op;
 		c->ndeps++;
 	}
 	return r;
@@ -477,7 +479,7 @@ static void conn_fail_deps(struct conn *c)
 					wait = dp.seq;
 			} else {
 				dispatch_fail_answer(d, &fresh, c->out.data + dp.start,
-				                     dp.end - dp.start);
+				                     dp.end - dp.start, dp.op);
 			}
 		}
 		buf_append(&fresh, c->out.data + pos, c->out.len - pos);

@@ -13,10 +13,17 @@ void stats_request(struct stats *s, enum op op, enum error_code code)
 	s->requests_total++;
 	if (op < OP_COUNT)
 		s->requests_by_op[op]++;
-	if (code != ERR_OK && code <= ERR_INTERNAL) {
-		s->errors_total++;
-		s->errors_by_code[code]++;
-	}
+	stats_error(s, op, code);
+}
+
+void stats_error(struct stats *s, enum op op, enum error_code code)
+{
+	if (code == ERR_OK || code > ERR_INTERNAL)
+		return;
+	s->errors_total++;
+	s->errors_by_code[code]++;
+	if (op < OP_COUNT)
+		s->errors_by_op[op]++;
 }
 
 /* Sets key to v (taken) in o; false when o is NULL or the set failed. */
@@ -37,15 +44,16 @@ static bool put_int(json_t *o, const char *key, uint64_t v)
 json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 {
 	json_t *res = json_object(), *by_op = json_object(), *by_code = json_object(),
-	       *time_by_op = json_object(), *conns = json_object(), *reqs = json_object(),
-	       *errs = json_object(), *spool = json_object(), *sink = json_object(),
-	       *lat = json_object();
-	bool ok = res && by_op && by_code && time_by_op && conns && reqs && errs && spool &&
-	          sink && lat;
+	       *errs_by_op = json_object(), *time_by_op = json_object(), *conns = json_object(),
+	       *reqs = json_object(), *errs = json_object(), *spool = json_object(),
+	       *sink = json_object(), *lat = json_object();
+	bool ok = res && by_op && by_code && errs_by_op && time_by_op && conns && reqs && errs &&
+	          spool && sink && lat;
 
 	for (int i = 0; ok && i < OP_COUNT; i++)
 		ok = put_int(by_op, ops_name((enum op)i), s->requests_by_op[i]) &&
-		     put_int(time_by_op, ops_name((enum op)i), s->time_ns_by_op[i]);
+		     put_int(time_by_op, ops_name((enum op)i), s->time_ns_by_op[i]) &&
+		     put_int(errs_by_op, ops_name((enum op)i), s->errors_by_op[i]);
 	for (int i = ERR_PARSE_ERROR; ok && i <= ERR_INTERNAL; i++)
 		ok = put_int(by_code, error_code_str((enum error_code)i), s->errors_by_code[i]);
 	ok = ok && put_int(conns, "current", s->connections_current) &&
@@ -55,7 +63,8 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 	     put_int(reqs, "total", s->requests_total) && put(reqs, "by_op", json_incref(by_op)) &&
 	     put(reqs, "time_ns_by_op", json_incref(time_by_op)) &&
 	     put_int(errs, "total", s->errors_total) &&
-	     put(errs, "by_code", json_incref(by_code)) && put_int(spool, "items", 0) &&
+	     put(errs, "by_code", json_incref(by_code)) &&
+	     put(errs, "by_op", json_incref(errs_by_op)) && put_int(spool, "items", 0) &&
 	     put_int(spool, "bytes", 0) && put(spool, "oldest_pending_ms", json_null()) &&
 	     put(sink, "kind", json_string("none")) && put_int(sink, "writes_sent", 0) &&
 	     put_int(sink, "confirmed", 0) && put_int(sink, "retried", 0) &&
@@ -74,6 +83,7 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 	     put(res, "spool", json_incref(spool)) && put(res, "sink", json_incref(sink));
 	json_decref(by_op);
 	json_decref(by_code);
+	json_decref(errs_by_op);
 	json_decref(time_by_op);
 	json_decref(conns);
 	json_decref(reqs);
@@ -112,6 +122,7 @@ static bool prom_is_counter(const char *name)
 	    "convod_requests_by_op_total",
 	    "convod_requests_time_ns_by_op_total",
 	    "convod_errors_by_code_total",
+	    "convod_errors_by_op_total",
 	    "convod_flushed",
 	    "convod_flushes_early",
 	    "convod_sink_writes_sent",
@@ -199,6 +210,8 @@ static void prom_walk(struct pbuf *b, const char *prefix, const json_t *obj)
 			prom_labelled(b, "convod_requests_time_ns_by_op_total", "op", v);
 		} else if (strcmp(name, "convod_errors_by_code") == 0) {
 			prom_labelled(b, "convod_errors_by_code_total", "code", v);
+		} else if (strcmp(name, "convod_errors_by_op") == 0) {
+			prom_labelled(b, "convod_errors_by_op_total", "op", v);
 		} else if (strcmp(name, "convod_sink_latency_ms") == 0) {
 			static const char *const q[][2] = {
 			    {"p50", "0.5"}, {"p99", "0.99"}, {"p999", "0.999"}};

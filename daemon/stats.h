@@ -19,6 +19,7 @@ struct stats {
 	uint64_t time_ns_by_op[OP_COUNT]; /* daemon time from a line to its queued answer */
 	uint64_t errors_total;
 	uint64_t errors_by_code[ERR_INTERNAL + 1];
+	uint64_t errors_by_op[OP_COUNT];
 	uint64_t messages;        /* messages in memory, over every conversation */
 	uint64_t conversations;   /* conversations in memory */
 	uint64_t flushed;         /* messages handed to the sink */
@@ -27,6 +28,10 @@ struct stats {
 
 /* Counts one answered request: op (OP_UNKNOWN for unreadable lines) and its code. */
 void stats_request(struct stats *s, enum op op, enum error_code code);
+
+/* Counts an error that replaced an answer already counted as a request of op (a commit
+ * failed after it was written): an error, not another request. */
+void stats_error(struct stats *s, enum op op, enum error_code code);
 
 /* The `stats` result object (see proto/protocol.md for the names). New reference. */
 json_t *stats_to_json(const struct stats *s, uint64_t now_ms);

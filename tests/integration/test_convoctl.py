@@ -662,6 +662,10 @@ def test_metrics_is_prometheus_text_of_the_stats(ctl, ctl_json):
         before["requests"]["by_op"]["get_messages"] + 1
     assert samples[("convod_errors_by_code_total", '{code="not_found"}')] == \
         before["errors"]["by_code"]["not_found"] + 1
+    assert types["convod_errors_by_op_total"] == "counter"
+    assert samples[("convod_errors_by_op_total", '{op="get_messages"}')] == \
+        before["errors"]["by_op"]["get_messages"] + 1
+    assert samples[("convod_errors_by_op_total", '{op="ping"}')] == 0
     assert samples[("convod_conversations", "")] == before["conversations"] == 1
     assert samples[("convod_messages", "")] == 1
     # metrics, ping x3, get-messages and stats itself: at least as many as before + 5.

@@ -46,6 +46,7 @@ def test_disk_full_answers_unavailable_and_recovers(daemon_factory, small_fs, du
     d = daemon_factory(["--state-dir", state, "--durability", durability])
     c = d.connect()
     c.ok({"op": "add_user", "conversation": "full", "contents": "before"})
+    s0 = c.ok({"op": "stats"})
     # Fill the file system, leaving the daemon no room for its WAL.
     filler = fill(small_fs)
     # Big messages need new pages: their commit fails.
@@ -60,6 +61,14 @@ def test_disk_full_answers_unavailable_and_recovers(daemon_factory, small_fs, du
     assert refused is not None, "a full disk must refuse some change"
     assert refused["error"]["code"] == "unavailable", refused
     assert refused["id"] == i, "the refused answer keeps the request's id"
+    # Counted once as a request of its op, and as an error of that op and code.
+    s1 = c.ok({"op": "stats"})
+    assert s1["requests"]["by_op"]["add_message"] - s0["requests"]["by_op"]["add_message"] \
+        == i + 1
+    assert s1["errors"]["by_op"]["add_message"] - s0["errors"]["by_op"]["add_message"] == 1
+    assert s1["errors"]["by_code"]["unavailable"] - s0["errors"]["by_code"]["unavailable"] == 1
+    assert s1["errors"]["total"] - s0["errors"]["total"] == 1
+    assert sum(s1["errors"]["by_op"].values()) == s1["errors"]["total"]
     # Nothing half written: the refused text is nowhere, in memory or after a reload.
     log = c.ok({"op": "to_messages_map", "conversation": "full", "incremental": False})
     texts = [t for m in log["messages"] for t in m["message"]["contents"]]

@@ -805,6 +805,9 @@ def test_stats_counters_move(daemon):
     def by_code(s, code):
         return s["errors"]["by_code"].get(code, 0)
 
+    def errors_by_op(s, op):
+        return s["errors"]["by_op"].get(op, 0)
+
     c.ok({"op": "ping"})
     c.ok({"op": "ping"})
     c.ok({"op": "ping"})
@@ -830,6 +833,9 @@ def test_stats_counters_move(daemon):
     assert s2["errors"]["total"] - s1["errors"]["total"] == 2
     assert by_code(s2, "not_found") - by_code(s1, "not_found") == 1
     assert by_code(s2, "bad_request") - by_code(s1, "bad_request") == 1
+    assert errors_by_op(s2, "get_messages") - errors_by_op(s1, "get_messages") == 1
+    assert errors_by_op(s2, "add_user") - errors_by_op(s1, "add_user") == 1
+    assert sum(s2["errors"]["by_op"].values()) - sum(s1["errors"]["by_op"].values()) == 2
     assert s2["conversations"] - s1["conversations"] == 1
     assert s2["messages"] - s1["messages"] == 3
     assert s2["connections"]["accepted"] - s1["connections"]["accepted"] == 2
@@ -838,6 +844,8 @@ def test_stats_counters_move(daemon):
     assert c.recv()["error"]["code"] == "parse_error"
     s3 = stats(c)
     assert by_code(s3, "parse_error") - by_code(s2, "parse_error") == 1
+    assert errors_by_op(s3, "unknown") - errors_by_op(s2, "unknown") == 1
+    assert sum(s3["errors"]["by_op"].values()) == s3["errors"]["total"]
     assert s3["errors"]["total"] - s2["errors"]["total"] == 1
     o1.close()
     o2.close()
