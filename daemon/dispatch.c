@@ -1813,8 +1813,8 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	}
 	case OP_DEAD_LETTERS: {
 		const json_t *l = json_object_get(req, "limit");
-		if (l && (!json_is_integer(l) || json_integer_value(l) < 1 ||
-		          json_integer_value(l) > 100000)) {
+		int64_t limit;
+		if (l && !message_json_whole(l, 1, 100000, &limit)) {
 			error_set(&err, ERR_BAD_REQUEST,
 			          "limit: expected an integer from 1 to 100000");
 			goto fail;
@@ -1828,13 +1828,15 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	switch (op) {
 	case OP_DEAD_LETTERS: {
 		const json_t *l = json_object_get(req, "limit");
+		int64_t limit = 100;
 		json_t *list = NULL;
 		if (!d->store) {
 			result = json_pack("{s:[]}", "dead_letters");
 			goto ok;
 		}
-		if (store_dead_letters(d->store, l ? (size_t)json_integer_value(l) : 100, &list) <
-		    0) {
+		if (l)
+			message_json_whole(l, 1, 100000, &limit); /* checked above */
+		if (store_dead_letters(d->store, (size_t)limit, &list) < 0) {
 			error_set(&err, ERR_UNAVAILABLE,
 			          "the local store cannot be read; retry later");
 			goto fail;

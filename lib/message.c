@@ -66,6 +66,27 @@ static void message_init(struct message *m, const char *id, enum role role, int6
 	m->updated_ms = creation_ms;
 }
 
+bool message_json_whole(const json_t *v, int64_t lo, int64_t hi, int64_t *out)
+{
+	int64_t n;
+
+	if (json_is_integer(v)) {
+		n = json_integer_value(v);
+	} else if (json_is_real(v)) {
+		double d = json_real_value(v);
+		if (!(d >= -9007199254740992.0 && d <= 9007199254740992.0) ||
+		    d != (double)(int64_t)d)
+			return false;
+		n = (int64_t)d;
+	} else {
+		return false;
+	}
+	if (n < lo || n > hi)
+		return false;
+	*out = n;
+	return true;
+}
+
 int message_set_timing(struct message *m, enum timing_key k, int64_t v)
 {
 	if (k == TIMING_CREATION) {
@@ -443,12 +464,11 @@ enum error_code message_patch_parse(const json_t *timing, const json_t *aux, con
 				                 "%stiming.creation: set by the daemon, cannot be "
 				                 "set",
 				                 where);
-			if (!json_is_integer(v) || json_integer_value(v) < 0)
+			if (!message_json_whole(v, 0, INT64_MAX, &p->timing[k]))
 				return error_set(err, ERR_BAD_REQUEST,
 				                 "%stiming.%s: expected an integer >= 0 "
 				                 "(Unix milliseconds)",
 				                 where, key);
-			p->timing[k] = json_integer_value(v);
 		}
 	}
 	if (aux) {

@@ -356,8 +356,8 @@ static enum error_code ids_parse(const json_t *req, const char ***ids, size_t *n
 			                 "versions: expected an array of integers, one per id");
 		json_array_foreach(v, i, e)
 		{
-			if (!json_is_integer(e) || json_integer_value(e) < 1 ||
-			    json_integer_value(e) > UINT32_MAX)
+			int64_t n;
+			if (!message_json_whole(e, 1, UINT32_MAX, &n))
 				return error_set(err, ERR_BAD_REQUEST,
 				                 "versions[%zu]: expected an integer >= 1", i);
 		}
@@ -372,8 +372,11 @@ static enum error_code ids_parse(const json_t *req, const char ***ids, size_t *n
 		*versions = malloc(json_array_size(v) * sizeof(**versions));
 		if (!*versions)
 			return error_set(err, ERR_INTERNAL, "out of memory");
-		for (i = 0; i < json_array_size(v); i++)
-			(*versions)[i] = json_integer_value(json_array_get(v, i));
+		for (i = 0; i < json_array_size(v); i++) {
+			int64_t n = 0;
+			message_json_whole(json_array_get(v, i), 1, UINT32_MAX, &n);
+			(*versions)[i] = n;
+		}
 		*nversions = json_array_size(v);
 	}
 	return ERR_OK;

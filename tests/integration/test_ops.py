@@ -612,6 +612,43 @@ def test_numbers_jansson_cannot_hold(conn):
     assert "expected" in r["error"]["message"], r
 
 
+def test_whole_numbers_written_as_reals(conn):
+    """JSON does not tell 1000 from 1000.0 (nor does the schemas' "integer"): an integer
+    field takes a real without a fraction, up to 2^53, and keeps it as the integer; a
+    fraction, or a real past 2^53 (whose digits a double may have lost), is bad_request."""
+    c = conn
+    c.send_raw(b'{"id":1,"op":"add_user","conversation":"whole","contents":"a",'
+                   b'"metadata":{"timing":{"playStart":1000.0,"playEnd":1e3,'
+                   b'"llmStart":9007199254740992.0,"llmEnd":0.0}}}\n')
+    r = json.loads(c.recv_line())
+    assert r["ok"] is True, r
+    timing = r["result"]["message"]["metadata"]["timing"]
+    assert timing["playStart"] == 1000 and timing["playEnd"] == 1000, timing
+    assert timing["llmStart"] == 2 ** 53 and timing["llmEnd"] == 0, timing
+    c.send_raw(b'{"id":2,"op":"get_messages","conversation":"whole"}\n')
+    raw = c.recv_line()
+    assert b'"playStart":1000,' in raw and b"1000.0" not in raw and b"1e3" not in raw, raw
+    before = full_log(c, "whole")
+    for value in (b"1000.5", b"9007199254740994.0", b"-1.0", b"1e300", b"-0.5"):
+        c.send_raw(b'{"id":3,"op":"add_user","conversation":"whole","contents":"b",'
+                   b'"metadata":{"timing":{"playStart":' + value + b'}}}\n')
+        r = json.loads(c.recv_line())
+        assert r["ok"] is False and r["error"]["code"] == "bad_request", (value, r)
+        assert "playStart" in r["error"]["message"], r
+    assert full_log(c, "whole") == before
+    # versions and limit take them too.
+    add(c, "add_assistant", "whole", "b")
+    info = c.ok({"op": "get_summary_info", "conversation": "whole"})
+    c.err({"op": "add_summary", "conversation": "whole", "contents": "s", "ids": info["ids"],
+           "versions": [v + 0.5 for v in info["versions"]]}, "bad_request")
+    s = c.ok({"op": "add_summary", "conversation": "whole", "contents": "s", "ids": info["ids"],
+              "versions": [float(v) for v in info["versions"]]})
+    assert s["message"]["metadata"]["summaryIds"] == info["ids"]
+    assert c.ok({"op": "dead_letters", "limit": 5.0}) == {"dead_letters": []}
+    c.err({"op": "dead_letters", "limit": 5.5}, "bad_request")
+    c.err({"op": "dead_letters", "limit": 0.0}, "bad_request")
+
+
 def test_too_large_wins_over_other_field_problems(conn):
     """protocol.md: the first code in the table wins; contents over DynamoDB's item limit
     are too_large whatever else is wrong with the request."""

@@ -6,6 +6,7 @@
 #include "test.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -261,7 +262,7 @@ static void test_patch_parse(void)
 	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
 	CHECK_PATCH_ERROR("{\"playEnd\":1.5}", NULL, "",
 	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
-	CHECK_PATCH_ERROR("{\"playEnd\":1.0}", NULL, "",
+	CHECK_PATCH_ERROR("{\"playEnd\":9007199254740994.0}", NULL, "",
 	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
 	CHECK_PATCH_ERROR("{\"playEnd\":\"5\"}", NULL, "",
 	                  "timing.playEnd: expected an integer >= 0 (Unix milliseconds)");
@@ -693,6 +694,50 @@ static void test_timing(void)
 	message_free(m); /* frees the array: valgrind and ASan watch */
 }
 
+/* message_json_whole against numbers as jansson reads them from text. */
+static void test_json_whole(void)
+{
+	static const struct {
+		const char *text;
+		int64_t lo, hi;
+		int ok;
+		int64_t want;
+	} cases[] = {
+	    {"1000", 0, INT64_MAX, 1, 1000},
+	    {"1000.0", 0, INT64_MAX, 1, 1000},
+	    {"1e3", 0, INT64_MAX, 1, 1000},
+	    {"0.0", 0, INT64_MAX, 1, 0},
+	    {"-0.0", 0, INT64_MAX, 1, 0},
+	    {"9007199254740992.0", 0, INT64_MAX, 1, 9007199254740992},
+	    {"9007199254740993", 0, INT64_MAX, 1, 9007199254740993}, /* an integer: exact */
+	    {"9007199254740994.0", 0, INT64_MAX, 0, 0},
+	    {"-9007199254740992.0", INT64_MIN, 0, 1, -9007199254740992},
+	    {"1.5", 0, INT64_MAX, 0, 0},
+	    {"1e-300", 0, INT64_MAX, 0, 0},
+	    {"1e300", 0, INT64_MAX, 0, 0},
+	    {"-1", 0, INT64_MAX, 0, 0},
+	    {"-1.0", 0, INT64_MAX, 0, 0},
+	    {"5.0", 1, 4, 0, 0},
+	    {"4.0", 1, 4, 1, 4},
+	    {"\"5\"", 0, 10, 0, 0},
+	    {"true", 0, 10, 0, 0},
+	    {"null", 0, 10, 0, 0},
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		json_t *v = json_loads(cases[i].text, JSON_DECODE_ANY, NULL);
+		int64_t got = -12345;
+		bool ok = v && message_json_whole(v, cases[i].lo, cases[i].hi, &got);
+		CHECK(v != NULL);
+		if (ok != (bool)cases[i].ok || (ok && got != cases[i].want) ||
+		    (!ok && got != -12345))
+			fprintf(stderr, "json_whole %s: ok %d got %lld\n", cases[i].text, ok,
+			        (long long)got);
+		CHECK(ok == (bool)cases[i].ok);
+		CHECK(!ok ? got == -12345 : got == cases[i].want);
+		json_decref(v);
+	}
+}
+
 int main(void)
 {
 	test_names();
@@ -705,5 +750,6 @@ int main(void)
 	test_pack();
 	test_sort_key();
 	test_timing();
+	test_json_whole();
 	return test_done("message");
 }

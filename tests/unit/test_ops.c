@@ -503,7 +503,7 @@ static void test_validation(void)
 	    "\"versions\":[0]}",
 	    "versions[0]: expected an integer >= 1");
 	BAD("{\"op\":\"add_summary\",\"contents\":\"s\",\"ids\":[\"01ARZ3NDEKTSV4RRFFQ69G5FAV\"],"
-	    "\"versions\":[1.0]}",
+	    "\"versions\":[1.5]}",
 	    "versions[0]: expected an integer >= 1");
 	BAD("{\"op\":\"add_summary\",\"contents\":\"s\",\"ids\":[\"01ARZ3NDEKTSV4RRFFQ69G5FAV\"],"
 	    "\"versions\":[4294967296]}",
