@@ -29,8 +29,9 @@ struct stats {
 /* Counts one answered request: op (OP_UNKNOWN for unreadable lines) and its code. */
 void stats_request(struct stats *s, enum op op, enum error_code code);
 
-/* Counts an error that replaced an answer already counted as a request of op (a commit
- * failed after it was written): an error, not another request. */
+/* Counts an error of op with code (nothing for ERR_OK), not a request: stats_request's
+ * error part, and on its own for an answer that a failed commit turned into an error after
+ * its request was counted. */
 void stats_error(struct stats *s, enum op op, enum error_code code);
 
 /* The `stats` result object (see proto/protocol.md for the names). New reference. */
