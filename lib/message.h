@@ -76,6 +76,7 @@ int message_set_timing(struct message *m, enum timing_key k, int64_t v);
  * without a fraction (1000.0, 1e3; JSON does not tell them apart) up to 2^53 in magnitude,
  * past which a double no longer holds every integer the text may have written. */
 bool message_json_whole(const json_t *v, int64_t lo, int64_t hi, int64_t *out);
+
 /* All of m's timing keys into out, and back: message_restore_timing never allocates, and
  * what message_get_timing took from m always fits back into m (its array, once made, stays
  * until message_free). An undo's save and restore. */
