@@ -148,6 +148,8 @@ static bool prom_is_counter(const char *name)
 	    "convod_store_bound_waits",
 	    "convod_store_checkpoint_ns",
 	    "convod_store_wal_writebacks",
+	    "convod_store_wal_syncs",
+	    "convod_store_db_syncs",
 	};
 	for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++)
 		if (strcmp(name, counters[i]) == 0)

@@ -49,7 +49,9 @@ static sqlite3_vfs vfs;
 static sqlite3_vfs *base_vfs;
 static int register_rc;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
-static _Atomic unsigned long long n_writes, n_gathered;
+static _Atomic unsigned long long n_writes, n_gathered, n_wal_syncs, n_other_syncs;
+
+static const sqlite3_io_methods wal_methods;
 
 #define REAL(f) (((struct wfile *)(f))->real)
 #define RM(f) (REAL(f)->pMethods)
@@ -93,10 +95,15 @@ static int f_truncate(sqlite3_file *f, sqlite3_int64 size)
 	return rc != SQLITE_OK ? rc : RM(f)->xTruncate(REAL(f), size);
 }
 
+/* Counted once the real sync succeeded: what walvfs_counts reports as durable. */
 static int f_sync(sqlite3_file *f, int flags)
 {
 	int rc = gather_flush((struct wfile *)f);
-	return rc != SQLITE_OK ? rc : RM(f)->xSync(REAL(f), flags);
+	if (rc == SQLITE_OK && (rc = RM(f)->xSync(REAL(f), flags)) == SQLITE_OK)
+		atomic_fetch_add_explicit(f->pMethods == &wal_methods ? &n_wal_syncs
+		                                                      : &n_other_syncs,
+		                          1, memory_order_relaxed);
+	return rc;
 }
 
 static int f_size(sqlite3_file *f, sqlite3_int64 *size)
@@ -427,4 +434,6 @@ void walvfs_counts(struct walvfs_counts *out)
 {
 	out->writes = atomic_load_explicit(&n_writes, memory_order_relaxed);
 	out->gathered = atomic_load_explicit(&n_gathered, memory_order_relaxed);
+	out->wal_syncs = atomic_load_explicit(&n_wal_syncs, memory_order_relaxed);
+	out->other_syncs = atomic_load_explicit(&n_other_syncs, memory_order_relaxed);
 }

@@ -10,11 +10,14 @@
  * first one's result. Thread-safe. 0 or -ENOSYS (no default VFS) or -ENOMEM. */
 int walvfs_register(void);
 
-/* What WAL files took through the VFS since the process started: the writes it made, and
- * the writes of SQLite's (frame headers and pages) it gathered into some of them. */
+/* What files took through the VFS since the process started: the writes it made to WAL
+ * files, and the writes of SQLite's (frame headers and pages) it gathered into some of them;
+ * the syncs that succeeded, of WAL files and of the others (the database files). */
 struct walvfs_counts {
 	unsigned long long writes;
 	unsigned long long gathered;
+	unsigned long long wal_syncs;
+	unsigned long long other_syncs;
 };
 void walvfs_counts(struct walvfs_counts *out);
 

@@ -231,6 +231,35 @@ def test_durability_none_loses_at_most_a_flush_interval(daemon_factory):
     assert got[20:] == late[:len(got) - 20], got
 
 
+@pytest.mark.parametrize("durability", ["process", "machine"])
+def test_commits_sync_as_the_durability_promises(durability, daemon_factory):
+    """A power loss cannot be staged here, so what `machine` promises beyond `process` is
+    checked where it comes from: every acknowledged commit at `machine` synced the WAL
+    before its answer (stats' wal_syncs, counted by the VFS once the real sync returned),
+    and at `process` no commit syncs (only checkpoints do, which these few pages start
+    none of)."""
+    c = daemon_factory(["--durability", durability]).connect()
+    c.ok({"op": "add_user", "conversation": "sync", "contents": "first"})
+    s0 = c.ok({"op": "stats"})["store"]
+    n = 40
+    for i in range(n):
+        # One at a time: each add is a commit of its own before its answer.
+        c.ok({"op": "add_assistant" if i % 2 == 0 else "add_user", "conversation": "sync",
+              "contents": "turn %d" % i})
+    s1 = c.ok({"op": "stats"})["store"]
+    commits = s1["commits"] - s0["commits"]
+    wal_syncs = s1["wal_syncs"] - s0["wal_syncs"]
+    checkpoints = s1["checkpoints"] - s0["checkpoints"]
+    assert commits >= n, (s0, s1)
+    if durability == "machine":
+        assert wal_syncs >= commits, (s0, s1)
+    else:
+        # A checkpoint (an idle daemon's) syncs the WAL once; commits never.
+        assert wal_syncs <= checkpoints + 1 and wal_syncs < n // 4, (s0, s1)
+    print(durability, "commits", commits, "wal_syncs", wal_syncs, "checkpoints", checkpoints)
+    assert s1["db_syncs"] >= s0["db_syncs"]
+
+
 def test_kill9_dynamodb(dynalite, ddb_table, daemon_factory):
     print("crash seed %d (CONVOD_CRASH_SEED)" % SEED)
     rng = random.Random(SEED + 2)

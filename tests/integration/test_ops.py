@@ -986,6 +986,8 @@ def test_stats_store(daemon_factory):
     assert "# TYPE convod_store_fold_dead_batches gauge" in text
     assert "# TYPE convod_store_cohort_waits counter" in text
     assert "# TYPE convod_store_wal_writebacks counter" in text
+    assert "# TYPE convod_store_wal_syncs counter" in text
+    assert "# TYPE convod_store_db_syncs counter" in text
     assert re.search(r"^convod_store_cohort_short 0$", text, re.M)
     assert re.search(r"^convod_store_fold_dead_batches 0$", text, re.M)
     assert "durability" not in text  # strings are left out

@@ -206,6 +206,8 @@ static void test_one_write_a_commit(void)
 	 * of SQLite's, gathered into one of ours. */
 	CHECK(c1.writes - c0.writes == 100);
 	CHECK(c1.gathered - c0.gathered >= 4 * 100);
+	/* synchronous=NORMAL: commits sync nothing. */
+	CHECK(c1.wal_syncs == c0.wal_syncs && c1.other_syncs == c0.other_syncs);
 	CHECK((copy = crash_copy("small", "small-crash")) != NULL);
 	if (copy) {
 		CHECK(query_int(copy, "SELECT count(*) FROM t") == 1 + 100 * 10);
@@ -215,6 +217,36 @@ static void test_one_write_a_commit(void)
 		                      " WHERE integrity_check = 'ok'") == 1);
 		sqlite3_close(copy);
 	}
+	CHECK(sqlite3_close(db) == SQLITE_OK);
+}
+
+/* The syncs are counted by file: at synchronous=FULL one of the WAL per commit, nothing of
+ * the database's; a checkpoint syncs the WAL before it copies it and the database after. */
+static void test_syncs_counted(void)
+{
+	struct walvfs_counts c0, c1, c2;
+	sqlite3 *db = open_db("syncs", WALVFS_NAME);
+
+	CHECK(db != NULL);
+	if (!db)
+		return;
+	CHECK(sqlite3_exec(db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) == SQLITE_OK);
+	CHECK(put_rows(db, 0, 1, 10, false) == SQLITE_OK);
+	walvfs_counts(&c0);
+	for (int t = 0; t < 10; t++)
+		CHECK(put_rows(db, 100 + t * 10, 5, 100, false) == SQLITE_OK);
+	walvfs_counts(&c1);
+	printf("10 commits at FULL: %llu WAL syncs, %llu others\n", c1.wal_syncs - c0.wal_syncs,
+	       c1.other_syncs - c0.other_syncs);
+	CHECK(c1.wal_syncs - c0.wal_syncs == 10);
+	CHECK(c1.other_syncs == c0.other_syncs);
+	CHECK(sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_TRUNCATE, NULL, NULL) ==
+	      SQLITE_OK);
+	walvfs_counts(&c2);
+	printf("a checkpoint: %llu WAL syncs, %llu others\n", c2.wal_syncs - c1.wal_syncs,
+	       c2.other_syncs - c1.other_syncs);
+	CHECK(c2.wal_syncs - c1.wal_syncs >= 1);
+	CHECK(c2.other_syncs - c1.other_syncs >= 1);
 	CHECK(sqlite3_close(db) == SQLITE_OK);
 }
 
@@ -367,6 +399,7 @@ int main(void)
 	CHECK(sqlite3_vfs_find(WALVFS_NAME) != NULL);
 	CHECK(sqlite3_vfs_find(NULL) != sqlite3_vfs_find(WALVFS_NAME));
 	test_one_write_a_commit();
+	test_syncs_counted();
 	test_big_and_rolled_back();
 	test_no_memory();
 	test_write_fails();
