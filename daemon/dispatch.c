@@ -61,7 +61,7 @@ int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *st
 	}
 	ulid_gen_init(&d->ulid, seed);
 	registry_init(&d->reg, seed + 32);
-	d->stats.started_ms = (uint64_t)dispatch_now_ms();
+	d->stats.started_mono_ms = mono_ns() / 1000000;
 	d->purge_due_ms = dispatch_now_ms() + DISPATCH_PURGE_FIRST_MS;
 	return 0;
 }
@@ -1900,7 +1900,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		d->stats.conversations = d->reg.count;
 		d->stats.messages = 0;
 		registry_each(&d->reg, count_messages, &d->stats.messages);
-		result = stats_to_json(&d->stats, (uint64_t)dispatch_now_ms());
+		result = stats_to_json(&d->stats, mono_ns() / 1000000);
 		if (result && d->sink) {
 			json_t *sp = sink_stats_spool(d->sink), *sk = sink_stats_sink(d->sink);
 			if (!sp || !sk || json_object_set_new(result, "spool", sp) < 0 ||

@@ -41,7 +41,7 @@ static bool put_int(json_t *o, const char *key, uint64_t v)
 	return put(o, key, json_integer((json_int_t)v));
 }
 
-json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
+json_t *stats_to_json(const struct stats *s, uint64_t now_mono_ms)
 {
 	json_t *res = json_object(), *by_op = json_object(), *by_code = json_object(),
 	       *errs_by_op = json_object(), *time_by_op = json_object(), *conns = json_object(),
@@ -74,7 +74,7 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_ms)
 	     put(lat, "p99", json_null()) && put(lat, "p999", json_null()) &&
 	     put(sink, "latency_ms", json_incref(lat)) &&
 	     put(res, "version", json_string(CONVOD_VERSION)) &&
-	     put_int(res, "uptime_ms", now_ms - s->started_ms) &&
+	     put_int(res, "uptime_ms", now_mono_ms - s->started_mono_ms) &&
 	     put(res, "connections", json_incref(conns)) &&
 	     put_int(res, "conversations", s->conversations) &&
 	     put_int(res, "messages", s->messages) && put(res, "requests", json_incref(reqs)) &&

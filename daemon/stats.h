@@ -9,7 +9,8 @@
 #include "ops.h"
 
 struct stats {
-	uint64_t started_ms;
+	uint64_t started_mono_ms; /* the monotonic clock (mono_ns) at the start, in ms: uptime
+	                           * does not move when the wall clock is set */
 	uint64_t connections_current;
 	uint64_t connections_accepted;
 	uint64_t connections_refused;
@@ -34,8 +35,9 @@ void stats_request(struct stats *s, enum op op, enum error_code code);
  * its request was counted. */
 void stats_error(struct stats *s, enum op op, enum error_code code);
 
-/* The `stats` result object (see proto/protocol.md for the names). New reference. */
-json_t *stats_to_json(const struct stats *s, uint64_t now_ms);
+/* The `stats` result object (see proto/protocol.md for the names); now_mono_ms is
+ * mono_ns() in ms. New reference. */
+json_t *stats_to_json(const struct stats *s, uint64_t now_mono_ms);
 
 /* The stats object (as built for the `stats` op, spool and sink included) in Prometheus'
  * text exposition format, metric names prefixed "convod_". Newly allocated (free()), NULL

@@ -3,7 +3,7 @@
 # nothing when everything is there). Needs root or sudo when something is missing.
 set -eu
 pkgs=(meson ninja-build pkg-config gcc libuv1-dev libjansson-dev libcurl4-openssl-dev
-      libssl-dev libsqlite3-dev python3 python3-pytest socat valgrind)
+      libssl-dev libsqlite3-dev python3 python3-pytest socat valgrind libfaketime)
 # node and npm run dynalite, the DynamoDB-compatible server of the tests; the machine's
 # own node is used when there is one.
 command -v node >/dev/null && command -v npm >/dev/null || pkgs+=(nodejs npm)

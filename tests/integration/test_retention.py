@@ -1,0 +1,116 @@
+"""The retention purge of closed conversations (--closed-retention-days) on the daemon's own
+clock: a conversation closed longer ago than the retention leaves the local store; one
+closed within it, and one never closed, stay, across a restart too.
+
+Thirty days cannot pass in a test, so the daemon runs under libfaketime (Debian's
+libfaketime, preloaded), whose offset the test moves by rewriting a file: the daemon's
+wall clock (CLOCK_REALTIME, what `close` stamps and the purge compares with) jumps a month
+ahead while it runs. The monotonic clock is left alone, so its timers and `uptime_ms` go on
+as they were. Nothing of convod is replaced: the same binary, socket, store and purge
+schedule (due a minute after the start, run in the next quiet flush tick).
+
+Under valgrind the preload cannot reach the daemon (valgrind is the process), so these
+tests skip there; they run in the normal and the sanitizer stages.
+"""
+import glob
+import os
+import time
+
+import pytest
+
+from conftest import TIMEOUT_SCALE, VALGRIND
+
+FAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+DAY_MS = 86400000
+
+pytestmark = [
+    pytest.mark.skipif(not FAKETIME, reason="libfaketime is not installed (tests/deps.sh)"),
+    pytest.mark.skipif(VALGRIND, reason="LD_PRELOAD does not reach a daemon under valgrind"),
+]
+
+
+def faked(tmp_path, offset="+0"):
+    """The environment of a daemon under libfaketime, and the file that moves its clock."""
+    control = tmp_path / "faketime"
+    control.write_text(offset + "\n")
+    env = {
+        "LD_PRELOAD": FAKETIME[0],
+        "FAKETIME_TIMESTAMP_FILE": str(control),
+        "FAKETIME_NO_CACHE": "1",  # the file is read again at every call
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        # The sanitizer stage: ASan wants its runtime first, libfaketime comes before it.
+        "ASAN_OPTIONS": os.environ.get("ASAN_OPTIONS", "") + ":verify_asan_link_order=0",
+    }
+    return env, control
+
+
+def add(c, conv, text, op="add_user"):
+    return c.ok({"op": op, "conversation": conv, "contents": text})
+
+
+def creation_ms(answer):
+    return answer["message"]["metadata"]["timing"]["creation"]
+
+
+def wait_log(d, text, timeout):
+    deadline = time.monotonic() + timeout * TIMEOUT_SCALE
+    while text not in d.log():
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.05)
+
+
+def test_closed_past_retention_purged(tmp_path, daemon_factory):
+    env, control = faked(tmp_path)
+    d = daemon_factory(["--closed-retention-days", "30", "--flush-interval", "100"], env=env)
+    c = d.connect()
+    before = creation_ms(add(c, "old", "closed a month ago"))
+    add(c, "old", "answer", op="add_assistant")
+    c.ok({"op": "close", "conversation": "old"})
+    add(c, "open", "never closed")
+    add(c, "recent-close", "opened a month ago, closed now")
+
+    control.write_text("+31d\n")
+    after = creation_ms(add(c, "new", "written after the jump"))
+    # The jump reached the daemon's wall clock (message ids and timing carry it) ...
+    assert after - before >= 31 * DAY_MS - 60000, (before, after)
+    c.ok({"op": "close", "conversation": "recent-close"})
+    c.ok({"op": "close", "conversation": "new"})
+    # ... and not its monotonic clock.
+    assert c.ok({"op": "stats"})["uptime_ms"] < DAY_MS
+
+    wait_log(d, "removed 1 closed conversations past retention", 20)
+    c = d.connect()
+    c.err({"op": "get_messages", "conversation": "old"}, "not_found")
+    for conv, n in (("open", 1), ("recent-close", 1), ("new", 1)):
+        assert len(c.ok({"op": "get_messages", "conversation": conv})["messages"]) == n, conv
+    # Only once an hour: a second quiet tick removes nothing more.
+    time.sleep(0.5)
+    assert d.log().count("past retention") == 1, d.log()
+
+    # The removal is in the store: a restart (still a month ahead) does not bring it back.
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    c.err({"op": "get_messages", "conversation": "old"}, "not_found")
+    assert [m["message"]["contents"] for m in
+            c.ok({"op": "get_messages", "conversation": "recent-close"})["messages"]] == [
+                ["opened a month ago, closed now"]]
+    assert d.stop() == 0, d.log()
+
+
+def test_retention_zero_keeps_closed_conversations(tmp_path, daemon_factory):
+    """closed-retention-days = 0: no purge, however old the close."""
+    env, control = faked(tmp_path)
+    d = daemon_factory(["--closed-retention-days", "0", "--flush-interval", "100"], env=env)
+    c = d.connect()
+    add(c, "kept", "closed ten years ago")
+    c.ok({"op": "close", "conversation": "kept"})
+    control.write_text("+3650d\n")
+    add(c, "other", "after the jump")  # a commit, then quiet ticks
+    time.sleep(1.0 * TIMEOUT_SCALE)
+    assert "past retention" not in d.log(), d.log()
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    assert len(c.ok({"op": "get_messages", "conversation": "kept"})["messages"]) == 1
+    assert d.stop() == 0, d.log()
