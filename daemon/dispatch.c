@@ -119,6 +119,16 @@ static void mark_sink_dirty(struct dispatch *d, struct convo *c)
 	d->sink_dirty = c;
 }
 
+/* A request changed c: it goes on the flusher's list, and its idle time starts over on the
+ * monotonic clock (dispatch_flush_tick). */
+static void mark_sink_changed(struct dispatch *d, struct convo *c)
+{
+	if (!d->remote)
+		return;
+	c->daemon_changed_mono_ms = (int64_t)(mono_ns() / 1000000);
+	mark_sink_dirty(d, c);
+}
+
 static void unmark_sink_dirty(struct dispatch *d, struct convo *c)
 {
 	if (!(c->daemon_flags & FLAG_SINK_DIRTY))
@@ -714,9 +724,17 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 	if (d->sink_changes >= DISPATCH_FLUSH_SOON_CHANGES)
 		d->stats.flushes_early++;
 	d->sink_changes = 0;
+	/* Idle by the wall clock (updated_ms, what the items carry) or, for a change made since
+	 * the start, by the monotonic one: a wall clock set back (NTP, a resumed VM) must not
+	 * hold the last message back for as long as it went back. Set forward, it flushes the
+	 * last message early, which a later merge writes again at a higher version. */
+	int64_t now_mono = (int64_t)(mono_ns() / 1000000), idle = (int64_t)d->cfg->idle_ms;
 	for (c = d->sink_dirty; c; c = next) {
 		next = c->daemon_next_sink;
-		sink_take(d, c, all || now - c->updated_ms >= (int64_t)d->cfg->idle_ms);
+		sink_take(d, c,
+		          all || now - c->updated_ms >= idle ||
+		              (c->daemon_changed_mono_ms &&
+		               now_mono - c->daemon_changed_mono_ms >= idle));
 	}
 	for (c = d->marks_dirty; c; c = next) {
 		next = c->daemon_next_marks;
@@ -1595,7 +1613,7 @@ static bool fast_add(struct dispatch *d, const struct fast_req *f, struct buf *o
 		}
 		if (changed) {
 			mark_store_dirty(d, c);
-			mark_sink_dirty(d, c);
+			mark_sink_changed(d, c);
 			mark_answer(d);
 		}
 	}
@@ -2018,7 +2036,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			mark_marks_dirty(d, c, from);
 		if (changed) {
 			mark_store_dirty(d, c);
-			mark_sink_dirty(d, c);
+			mark_sink_changed(d, c);
 			mark_answer(d);
 		}
 	}

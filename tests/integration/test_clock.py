@@ -1,13 +1,18 @@
-"""The retention purge of closed conversations (--closed-retention-days) on the daemon's own
-clock: a conversation closed longer ago than the retention leaves the local store; one
-closed within it, and one never closed, stay, across a restart too.
+"""The daemon's wall clock, moved while it runs: the retention purge of closed conversations
+(--closed-retention-days) and the flusher's idle rule for a conversation's last message.
+
+- A conversation closed longer ago than the retention leaves the local store; one closed
+  within it, and one never closed, stay, across a restart too.
+- A wall clock set back (NTP, a resumed VM) does not hold a conversation's last message
+  back from DynamoDB for as long as it went back: the idle period is also counted on the
+  monotonic clock.
 
 Thirty days cannot pass in a test, so the daemon runs under libfaketime (Debian's
 libfaketime, preloaded), whose offset the test moves by rewriting a file: the daemon's
-wall clock (CLOCK_REALTIME, what `close` stamps and the purge compares with) jumps a month
-ahead while it runs. The monotonic clock is left alone, so its timers and `uptime_ms` go on
-as they were. Nothing of convod is replaced: the same binary, socket, store and purge
-schedule (due a minute after the start, run in the next quiet flush tick).
+wall clock (CLOCK_REALTIME: what `close` stamps, what the purge and the idle rule compare
+with, what messages' ids and timing carry) jumps while it runs. The monotonic clock is left
+alone, so its timers and `uptime_ms` go on as they were. Nothing of convod is replaced: the
+same binary, socket, store, DynamoDB (dynalite) and schedules.
 
 Under valgrind the preload cannot reach the daemon (valgrind is the process), so these
 tests skip there; they run in the normal and the sanitizer stages.
@@ -18,7 +23,9 @@ import time
 
 import pytest
 
+import ddb
 from conftest import TIMEOUT_SCALE, VALGRIND
+from test_persistence import ddb_env, expected_item, full_log, wait_until
 
 FAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
 DAY_MS = 86400000
@@ -114,3 +121,40 @@ def test_retention_zero_keeps_closed_conversations(tmp_path, daemon_factory):
     c = d.connect()
     assert len(c.ok({"op": "get_messages", "conversation": "kept"})["messages"]) == 1
     assert d.stop() == 0, d.log()
+
+
+def test_clock_set_back_does_not_hold_the_last_message(tmp_path, dynalite, ddb_table,
+                                                        daemon_factory):
+    """The last message waits --idle-ms, then goes to DynamoDB, though the wall clock went
+    back a day right after it was written (by the wall clock alone it would wait a day)."""
+    idle = 300
+    env, control = faked(tmp_path)
+    env.update(ddb_env(dynalite))
+    d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "50", "--idle-ms",
+                        str(idle)], env=env)
+    c = d.connect()
+    conv = "clock-back"
+    u1 = c.ok({"op": "add_user", "conversation": conv, "contents": "one"})["message"]["id"]
+    a1 = c.ok({"op": "add_assistant", "conversation": conv, "contents": "two"})["message"]["id"]
+    t_a1 = time.monotonic()
+    control.write_text("-1d\n")
+    # u1 is not last: it goes on the next tick, whatever the clock says.
+    wait_until(lambda: ddb.get_item(dynalite, ddb_table, conv, u1) is not None, 10,
+               "the first message in the table", interval=0.01)
+    wait_until(lambda: ddb.get_item(dynalite, ddb_table, conv, a1) is not None,
+               idle / 1000 + 10 * TIMEOUT_SCALE, "the last message after the idle period",
+               interval=0.01)
+    assert time.monotonic() - t_a1 >= idle / 1000 - 0.01
+    # A merge after the step (updated_ms now a day before the message's first version):
+    # written again after the idle period too.
+    c.ok({"op": "add_assistant", "conversation": conv, "contents": "three"})
+    wait_until(lambda: ddb.get_item(dynalite, ddb_table, conv, a1)["version"] == {"N": "2"},
+               idle / 1000 + 10 * TIMEOUT_SCALE, "the merged last message")
+    # Each item is the daemon's message at its version. (`updated` is the wall clock of
+    # the last change: after the step it is a day before the message's creation, as the
+    # clock said; convod does not hide the step.)
+    for m, version in zip(full_log(c, conv), [1, 2]):
+        item = ddb.get_item(dynalite, ddb_table, conv, m["id"])
+        assert int(item.pop("updated")["N"]) > 0
+        item.pop("expires", None)
+        assert item == expected_item(conv, m, version), (item, m)
