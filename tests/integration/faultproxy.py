@@ -100,6 +100,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "faultproxy"
     sys_version = ""
+    # Headers and body are two writes: with Nagle the body waited for the client's delayed
+    # ACK of the headers, 40 ms an answer.
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt, *args):  # quiet: the counters and log say what happened
         pass
@@ -324,6 +327,7 @@ class FaultProxy:
         self._rand = random.Random(seed)
         self._counts = {}
         self._log = []
+        self._times = []  # time.monotonic() of each entry of _log
         self.errors = []  # tracebacks of unexpected handler failures
         self._conns = set()
         self._stopping = threading.Event()
@@ -475,6 +479,7 @@ class FaultProxy:
     def _record(self, op, fault):
         with self._lock:
             self._log.append((op, fault))
+            self._times.append(time.monotonic())
 
     @property
     def counts(self):
@@ -498,3 +503,10 @@ class FaultProxy:
         """(operation, fault or None) for every request seen, in order."""
         with self._lock:
             return list(self._log)
+
+    @property
+    def timed_log(self):
+        """(time.monotonic() when the request was read, operation, fault or None) for every
+        request seen, in order."""
+        with self._lock:
+            return [(t, op, f) for t, (op, f) in zip(self._times, self._log)]

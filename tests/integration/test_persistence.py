@@ -590,6 +590,56 @@ def test_random_faults_newest_version(faultproxy, dynalite, ddb_table, daemon_fa
     assert st["sink"]["retried"] >= 1 and st["sink"]["dead_lettered"] == 0, st["sink"]
 
 
+def test_backoff_is_capped_exponential_with_full_jitter(faultproxy, dynalite, ddb_table,
+                                                        daemon_factory):
+    """persistence.md: failed writes wait "with capped exponential backoff and full jitter".
+    Every BatchWriteItem answers 500 for a while; the proxy's clock says when each attempt
+    came. After the k-th failure in a row the next attempt waits a random time (uniform)
+    under min(retry-max, retry-base * 2^(k-1)), plus the call's own time: so no gap passes
+    its cap (plus a margin for the call), the gaps grow from tens of ms to about the cap's
+    scale, and at the cap they spread (jitter), not one fixed wait."""
+    base, cap = 20, 320
+    margin = 0.06 * TIMEOUT_SCALE  # the call through the proxy, the loop's own delays
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table,
+                   ["--retry-base-ms", str(base), "--retry-max-ms", str(cap)])
+    c = d.connect()
+    # The first write goes through: whatever the daemon asks DynamoDB at its start is done.
+    c.ok({"op": "add_user", "conversation": "backoff", "contents": "before"})
+    c.ok({"op": "flush", "conversation": "backoff"})
+    wait_drained(c)
+    faultproxy.set_probability("500", 1.0, op="BatchWriteItem")
+    c.ok({"op": "add_assistant", "conversation": "backoff", "contents": "during"})
+    c.ok({"op": "flush", "conversation": "backoff"})
+    attempts = []
+    deadline = time.monotonic() + 30 * TIMEOUT_SCALE
+    while len(attempts) < 26:
+        assert time.monotonic() < deadline, attempts
+        time.sleep(0.1)
+        attempts = [t for t, op, f in faultproxy.timed_log if op == "BatchWriteItem" and f]
+    faultproxy.set_probability("500", 0, op="BatchWriteItem")
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    caps = [min(cap, base * 2 ** k) / 1000 for k in range(len(gaps))]
+    shown = ["%.0f/%.0f" % (g * 1000, k * 1000) for g, k in zip(gaps, caps)]
+    print("gap/cap ms:", " ".join(shown))
+    # Capped exponential: no wait past the cap of its streak, the first ones short ...
+    assert all(g <= k + margin for g, k in zip(gaps, caps)), shown
+    # ... and growing: at the cap the mean wait is far above the base (a uniform wait
+    # under 320 ms for the next attempt and for the failure gate: about 213 ms).
+    late = gaps[6:]
+    mean = sum(late) / len(late)
+    assert 0.1 <= mean <= cap / 1000 + margin, shown
+    assert sum(gaps[:3]) / 3 < mean / 2, shown
+    # Full jitter: spread over the range, not one fixed wait (a standard deviation of about
+    # 75 ms expected; a fixed wait gives a few ms).
+    sd = (sum((g - mean) ** 2 for g in late) / len(late)) ** 0.5
+    assert sd >= 0.025, shown
+    assert min(late) < mean - 0.05 < mean + 0.05 < max(late), shown
+    # And the message goes through once the failures stop.
+    st = wait_drained(c, timeout=20)
+    assert st["sink"]["failures"] >= 25 and st["sink"]["dead_lettered"] == 0, st["sink"]
+    table_matches_daemon(dynalite, ddb_table, c, ["backoff"])
+
+
 def test_endpoint_down_briefly(faultproxy, dynalite, ddb_table, daemon_factory):
     d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
     c = d.connect()
