@@ -6,6 +6,9 @@
 - A wall clock set back (NTP, a resumed VM) does not hold a conversation's last message
   back from DynamoDB for as long as it went back: the idle period is also counted on the
   monotonic clock.
+- A daemon restarted with its clock a day behind the ids it wrote (a host without a
+  real-time clock) still gives new messages ids above the conversation's, so the log keeps
+  its order when it is read back from the store.
 
 Thirty days cannot pass in a test, so the daemon runs under libfaketime (Debian's
 libfaketime, preloaded), whose offset the test moves by rewriting a file: the daemon's
@@ -158,3 +161,45 @@ def test_clock_set_back_does_not_hold_the_last_message(tmp_path, dynalite, ddb_t
         assert int(item.pop("updated")["N"]) > 0
         item.pop("expires", None)
         assert item == expected_item(conv, m, version), (item, m)
+
+
+def test_clock_behind_after_a_restart_keeps_the_log_order(tmp_path, daemon_factory):
+    """A host without a real-time clock boots with an old time: the daemon restarts a day
+    behind the ids it already wrote. New messages still get ids above the conversation's
+    (the store orders a conversation's records by id when it reads them back), so the log
+    keeps its order across the next restart, merges and summaries included."""
+    env, control = faked(tmp_path)
+    d = daemon_factory(["--flush-interval", "100"], env=env)
+    c = d.connect()
+    add(c, "rtc", "u1")
+    add(c, "rtc", "a1", op="add_assistant")
+    before = [m["id"] for m in c.ok({"op": "get_messages", "conversation": "rtc"})["messages"]]
+    assert d.stop() == 0, d.log()
+
+    control.write_text("-1d\n")
+    d.start()
+    c = d.connect()
+    add(c, "rtc", "u2")
+    add(c, "rtc", "u2 more")  # a merge
+    add(c, "rtc", "a2", op="add_assistant")
+    info = c.ok({"op": "get_summary_info", "conversation": "rtc"})
+    c.ok({"op": "add_summary", "conversation": "rtc", "contents": "so far",
+          "ids": info["ids"], "versions": info["versions"]})
+    add(c, "rtc", "u3")
+    a3 = add(c, "rtc", "a3", op="add_assistant")
+    # The clock really is a day behind the first ids ...
+    assert creation_ms(a3) < int(time.time() * 1000) - DAY_MS + 60000
+    log = c.ok({"op": "to_messages_map", "conversation": "rtc", "incremental": False})
+    ids = [m["id"] for m in log["messages"]]
+    # ... and every new id is above every old one.
+    assert ids[:2] == before and all(i > before[-1] for i in ids[2:]), ids
+    contents = [m["message"]["contents"] for m in log["messages"]]
+    assert d.stop() == 0, d.log()
+
+    d.start()
+    c = d.connect()
+    again = c.ok({"op": "to_messages_map", "conversation": "rtc", "incremental": False})
+    assert [m["id"] for m in again["messages"]] == ids
+    assert [m["message"]["contents"] for m in again["messages"]] == contents
+    assert contents[2] == ["u2", "u2 more"], contents
+    assert d.stop() == 0, d.log()
