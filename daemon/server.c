@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -656,13 +657,64 @@ static void on_before_poll(uv_prepare_t *h)
 		server_turn(s);
 }
 
+/* File descriptors kept for the daemon's own use beyond its connections: the store's files
+ * (two SQLite connections and the checkpoint thread's WAL), the listener, libuv's own, the
+ * flusher's sockets to DynamoDB, the journal, and the one a refusal is answered on. */
+#define SERVER_FD_RESERVE 64
+
+/* The connections the open-file limit leaves room for, with max_connections of want: the
+ * soft limit is raised towards want + SERVER_FD_RESERVE (as far as the hard limit allows),
+ * and a warning says when that is still short. Past that number accept() would fail with
+ * EMFILE, and libuv then accepts and closes the waiting connections without a word to
+ * anyone; below it a client is refused with an answer that says why. */
+static size_t fd_conn_limit(size_t want)
+{
+	struct rlimit rl;
+	rlim_t need = want > (size_t)-1 - SERVER_FD_RESERVE ? RLIM_INFINITY
+	                                                    : (rlim_t)(want + SERVER_FD_RESERVE);
+	size_t room;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY)
+		return want;
+	if (rl.rlim_cur < need) {
+		struct rlimit up = rl;
+		up.rlim_cur =
+		    rl.rlim_max == RLIM_INFINITY || rl.rlim_max > need ? need : rl.rlim_max;
+		if (setrlimit(RLIMIT_NOFILE, &up) == 0)
+			rl = up;
+	}
+	if (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= need)
+		return want;
+	room = rl.rlim_cur > 2 * SERVER_FD_RESERVE ? (size_t)rl.rlim_cur - SERVER_FD_RESERVE
+	                                           : (size_t)rl.rlim_cur / 2;
+	if (room < 1)
+		room = 1;
+	log_msg(LOG_WARN, "server",
+	        "the open-file limit (%llu, hard %llu) leaves room for %zu connections: "
+	        "max-connections %zu cannot be reached; further clients are refused (raise "
+	        "LimitNOFILE or ulimit -n)",
+	        (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max, room, want);
+	return room;
+}
+
+/* The connection limit in force: max-connections, or fewer when the open-file limit says
+ * so (worked out again after a reload changed max-connections). */
+static size_t conn_limit(struct server *s)
+{
+	if (s->fd_limit_for != s->cfg->max_connections) {
+		s->fd_limit_for = s->cfg->max_connections;
+		s->fd_conns = fd_conn_limit(s->cfg->max_connections);
+	}
+	return s->fd_conns < s->cfg->max_connections ? s->fd_conns : s->cfg->max_connections;
+}
+
 static void refuse(struct server *s, struct conn *c)
 {
 	char msg[160];
 	int n = snprintf(msg, sizeof(msg),
 	                 "{\"ok\":false,\"error\":{\"code\":\"unavailable\",\"message\":\"too "
 	                 "many connections (limit %zu); retry later\"}}\n",
-	                 s->cfg->max_connections);
+	                 conn_limit(s));
 	uv_buf_t b = uv_buf_init(msg, (unsigned int)n);
 
 	/* Best effort: a fresh socket's buffer takes one short line. */
@@ -792,7 +844,7 @@ static void on_connection(uv_stream_t *ls, int status)
 			return;
 		}
 	}
-	if (s->nconns > s->cfg->max_connections) {
+	if (s->nconns > conn_limit(s)) {
 		refuse(s, c);
 		return;
 	}
@@ -1032,6 +1084,7 @@ int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
 	if (rc < 0)
 		return rc;
 	s->listening = true;
+	conn_limit(s); /* the open-file limit raised, or its warning, at the start */
 	uv_check_init(loop, &s->turn);
 	s->turn.data = s;
 	uv_check_start(&s->turn, on_turn);

@@ -27,6 +27,8 @@ struct server {
 	struct conn *held;             /* connections with answers waiting for a commit */
 	uint64_t failures_seen;        /* the dispatch's failed commits already answered */
 	size_t nconns;
+	size_t fd_conns;     /* connections the open-file limit leaves room for (conn_limit) */
+	size_t fd_limit_for; /* the max-connections that was worked out for */
 	int handles_open; /* while stopping: handles whose close is pending */
 	bool listening, stopping, socket_created;
 	bool activated;                       /* the socket came from the service manager */

@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -202,12 +203,13 @@ class Conn:
 
 
 class Daemon:
-    def __init__(self, args=(), env=None):
+    def __init__(self, args=(), env=None, nofile=None):
         self.dir = tempfile.mkdtemp(prefix="convod-test-")
         self.socket = os.path.join(self.dir, "convod.sock")
         self.state_dir = os.path.join(self.dir, "state")
         self.args = list(args)
         self.env = env
+        self.nofile = nofile  # RLIMIT_NOFILE (soft and hard) to start it with, or None
         self.proc = None
         self.conns = []
         self.stderr_path = os.path.join(self.dir, "stderr.log")
@@ -219,8 +221,11 @@ class Daemon:
         if self.env:
             env.update(self.env)
         self.stderr = open(self.stderr_path, "ab")
+        nofile = self.nofile
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+                 ) if nofile else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.stderr,
-                                     stderr=self.stderr, env=env)
+                                     stderr=self.stderr, env=env, preexec_fn=limit)
         if VALGRIND:
             self.valgrind_log = os.path.join(VG_LOGS, "%d.vg" % self.proc.pid)
         if wait:
@@ -286,13 +291,14 @@ class Daemon:
 
 @pytest.fixture
 def daemon_factory():
-    """daemon_factory(args=[...], env={...}, start=True) -> Daemon; all stopped at teardown.
+    """daemon_factory(args=[...], env={...}, start=True, nofile=None) -> Daemon; all stopped
+    at teardown (nofile: the open-file limit it starts with).
     A daemon that exited non-zero or printed a sanitizer report fails the test, and so does
     one whose valgrind report shows an error or a leak (CONVOD_VALGRIND)."""
     made = []
 
-    def make(args=(), env=None, start=True):
-        d = Daemon(args, env)
+    def make(args=(), env=None, start=True, nofile=None):
+        d = Daemon(args, env, nofile)
         made.append(d)
         if start:
             d.start()

@@ -6,9 +6,12 @@ refused request changes nothing.
 failure inside the daemon) and no request from outside can reach it by design; the unit
 and fuzz tests cover those paths."""
 import json
+import re
 import time
 
 import pytest
+
+from conftest import TIMEOUT_SCALE, Conn
 
 ULID_A = "01JRZJ166HZFPP405DV1QQB2X9"
 ULID_B = "01JRZJ166J2WRMF990535EVSQS"
@@ -562,6 +565,67 @@ def test_unavailable_max_connections(daemon_factory):
         time.sleep(0.02)
     c4 = d.connect()
     ping(c4)
+
+
+def test_open_file_limit_lowers_the_connection_limit(daemon_factory):
+    """A client that opens connections without end, against a daemon whose open-file limit
+    is below what max-connections needs: past the room the limit leaves, accept() would fail
+    (EMFILE) and libuv would accept and close the waiting connections without a word. The
+    daemon instead lowers its connection limit to that room (the limit less 64 kept for its
+    own files), says so at the start, and refuses the clients past it with an answer; it
+    keeps serving the others, does not spin, and serves new ones once some leave."""
+    nofile = 128
+    room = nofile - 64
+    d = daemon_factory(["--max-connections", "1000"], nofile=nofile)
+    assert re.search(r"warn server: the open-file limit \(\d+, hard \d+\) leaves room for "
+                     r"\d+ connections: max-connections 1000 cannot be reached", d.log()), d.log()
+    limit = int(re.search(r"leaves room for (\d+) connections", d.log()).group(1))
+    assert limit <= room  # under valgrind, which keeps a few files of the limit, fewer
+    served, refused = [], []
+    for i in range(limit + 80):  # past the open-file limit itself
+        c = Conn(d.socket, timeout=10)
+        try:
+            r = c.request({"op": "ping", "id": i})
+        except BrokenPipeError:  # refused before the request went out: the line is there
+            r = json.loads(c.recv_line())
+        if r.get("ok"):
+            served.append(c)
+            continue
+        # The refusal is there before the request: the line is its answer, then the end
+        # (a reset when the daemon closed with the request unread).
+        assert r["error"]["code"] == "unavailable" and "id" not in r, r
+        assert "too many connections (limit %d)" % limit in r["error"]["message"], r
+        with pytest.raises((EOFError, ConnectionResetError)):
+            c.recv_line()
+        refused.append(r)
+        c.close()
+    # Every client got an answer; the served ones fill the limit (less any the daemon has
+    # not finished closing, such as its readiness check's).
+    assert len(served) + len(refused) == limit + 80
+    assert limit - 2 <= len(served) <= limit and len(refused) >= 80, (len(served), len(refused))
+    st = served[0].ok({"op": "stats"})["connections"]
+    assert st["refused"] == len(refused) and st["current"] == len(served), st
+    # At rest with every slot taken, the daemon does not spin.
+    pid = d.proc.pid
+    def cpu_ticks():
+        f = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
+        return int(f[11]) + int(f[12])
+    t0 = cpu_ticks()
+    time.sleep(1.0)
+    assert cpu_ticks() - t0 <= 20 * TIMEOUT_SCALE  # ticks of 10 ms: at most a fifth of a CPU
+    for c in served:
+        ping(c)
+    for c in served[:10]:
+        c.close()
+    deadline = time.time() + 10 * TIMEOUT_SCALE
+    while served[-1].ok({"op": "stats"})["connections"]["current"] != len(served) - 10:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    again = [d.connect() for _ in range(10)]
+    for c in again:
+        ping(c)
+    for c in served[10:]:
+        c.close()
 
 
 # ---- precedence --------------------------------------------------------------------------
