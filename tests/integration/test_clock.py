@@ -62,13 +62,6 @@ def creation_ms(answer):
     return answer["message"]["metadata"]["timing"]["creation"]
 
 
-def wait_log(d, text, timeout):
-    deadline = time.monotonic() + timeout * TIMEOUT_SCALE
-    while text not in d.log():
-        assert time.monotonic() < deadline, d.log()
-        time.sleep(0.05)
-
-
 def test_closed_past_retention_purged(tmp_path, daemon_factory):
     env, control = faked(tmp_path)
     d = daemon_factory(["--closed-retention-days", "30", "--flush-interval", "100"], env=env)
@@ -88,7 +81,8 @@ def test_closed_past_retention_purged(tmp_path, daemon_factory):
     # ... and not its monotonic clock.
     assert c.ok({"op": "stats"})["uptime_ms"] < DAY_MS
 
-    wait_log(d, "removed 1 closed conversations past retention", 20)
+    wait_until(lambda: "removed 1 closed conversations past retention" in d.log(),
+               20 * TIMEOUT_SCALE, "the retention purge in the log")
     c = d.connect()
     c.err({"op": "get_messages", "conversation": "old"}, "not_found")
     for conv, n in (("open", 1), ("recent-close", 1), ("new", 1)):
