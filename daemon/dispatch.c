@@ -1717,7 +1717,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	size_t cid_len = 0;
 	struct convo *c = NULL;
 	bool created = false, changed = false;
-	enum error_code code, code2;
+	enum error_code code = ERR_OK, code2;
 	struct convo_env env;
 
 	if (is_blank(line, len))
@@ -1782,7 +1782,8 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	if (opv && json_is_string(opv))
 		op = ops_lookup(json_string_value(opv));
 	*opp = op;
-	code = check_conversation(d, req, ops_needs_conversation(op), &cid, &cid_len, &err);
+	if (ops_takes_conversation(op))
+		code = check_conversation(d, req, ops_needs_conversation(op), &cid, &cid_len, &err);
 	if (code == ERR_TOO_LARGE)
 		goto fail;
 	if (!opv || !json_is_string(opv)) {

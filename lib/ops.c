@@ -63,6 +63,11 @@ bool ops_needs_conversation(enum op op)
 	return (op >= OP_ADD_USER && op <= OP_DESCRIBE) || op == OP_CLOSE;
 }
 
+bool ops_takes_conversation(enum op op)
+{
+	return ops_needs_conversation(op) || op == OP_FLUSH || op == OP_UNKNOWN;
+}
+
 /* True if s[0..len) is empty or only code points with the Unicode White_Space property.
  * Invalid UTF-8 counts as content. */
 static bool is_blank(const char *str, size_t len)

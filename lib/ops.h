@@ -46,6 +46,11 @@ bool ops_creates(enum op op);
 bool ops_mutates(enum op op);
 /* Ops that require the "conversation" field. */
 bool ops_needs_conversation(enum op op);
+/* Ops for which "conversation" is a field: those that need it, flush (optional), and
+ * OP_UNKNOWN, whose fields are not known (a conversation id over the limit is too_large
+ * there, first in protocol order). For the others (list, stats, ping, ...) it is an
+ * unknown field, ignored like any other. */
+bool ops_takes_conversation(enum op op);
 
 /* Checks the fields of req for op without looking at any conversation (types, ranges,
  * unknown keys in metadata/timing/format, blank contents). ERR_OK or ERR_BAD_REQUEST /

@@ -269,6 +269,31 @@ def test_unknown_op(conn):
     assert snapshot(c, "x") == before
 
 
+def test_conversation_is_an_unknown_field_of_ops_without_one(conn):
+    """protocol.md: unknown fields are ignored. list, stats, ping and the extensions without
+    a conversation answer as if "conversation" were absent, whatever it holds; flush, where
+    it is optional, still checks it, and an unknown op still puts too_large first."""
+    c = conn
+    c.ok({"op": "add_user", "conversation": "kept", "contents": "u"})
+    before = snapshot(c, "kept")
+    bad = [5, None, "", "a\x01b", "\x7f", "x" * 300, ["kept"], {"c": 1}]
+    for op in ("list", "ping", "dead_letters", "retry_dead_letters", "create_table"):
+        plain = c.request({"id": 1, "op": op})
+        for v in bad:
+            r = c.request({"id": 1, "op": op, "conversation": v})
+            # create_table answers bad_request here (no DynamoDB): the same one.
+            assert r == plain, (op, v, r, plain)
+    for v in bad:
+        r = c.request({"op": "stats", "conversation": v})
+        assert r["ok"] is True and r["result"]["conversations"] == 1, (v, r)
+    assert snapshot(c, "kept") == before
+    expect(c, {"op": "flush", "conversation": 5}, "bad_request", "conversation")
+    expect(c, {"op": "flush", "conversation": "a\x01b"}, "bad_request", "conversation")
+    expect(c, {"op": "flush", "conversation": "x" * 300}, "too_large", "conversation")
+    expect(c, {"op": "nosuch", "conversation": "x" * 300}, "too_large", "conversation")
+    expect(c, {"op": "nosuch", "conversation": 5}, "unknown_op", "op")
+
+
 # ---- bad_request -------------------------------------------------------------------------
 
 B = "base"

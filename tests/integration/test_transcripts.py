@@ -304,6 +304,11 @@ def test_validator_rejects_what_it_should():
     assert v.validate({"op": "dead_letters", "limit": 0}, "request.schema.json")
     assert v.validate({"op": "dead_letters", "limit": 100}, "request.schema.json") == []
     assert v.validate({"op": "stats", "format": "yaml"}, "request.schema.json")
+    # "conversation" is checked where an op takes it, an unknown field elsewhere.
+    assert v.validate({"op": "describe", "conversation": ""}, "request.schema.json")
+    assert v.validate({"op": "flush", "conversation": 5}, "request.schema.json")
+    assert v.validate({"op": "ping", "conversation": 5}, "request.schema.json") == []
+    assert v.validate({"op": "list", "conversation": ""}, "request.schema.json") == []
     assert v.validate({"format": "json", "text": "x"}, "result-stats-prometheus.schema.json")
     assert v.validate({"dead_letters": [{"conversation": "c", "sk": "x", "version": 1,
                                          "error": "e", "at": 1}]}, "result-dead_letters.schema.json")
