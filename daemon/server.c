@@ -73,6 +73,7 @@ struct write_req {
 static void conn_close(struct conn *c);
 static void conn_serve(struct conn *c);
 static void server_maybe_stopped(struct server *s);
+static void on_connection(uv_stream_t *ls, int status);
 
 static void conn_mark_dirty(struct conn *c)
 {
@@ -113,9 +114,17 @@ static void on_closed(uv_handle_t *h)
 	buf_free(&c->out);
 	free(c->holds);
 	free(c->deps);
-	free(c);
+	if (!s->spare && !s->stopping)
+		s->spare = c; /* the one on_connection took when memory ran out */
+	else
+		free(c);
 	if (s->stopping)
 		server_maybe_stopped(s);
+	else if (s->accept_waiting && s->spare) {
+		/* A connection libuv holds for us, and the listener it stopped, wait for it. */
+		s->accept_waiting = false;
+		on_connection((uv_stream_t *)&s->listener, 0);
+	}
 }
 
 static void conn_close(struct conn *c)
@@ -708,14 +717,15 @@ static size_t conn_limit(struct server *s)
 	return s->fd_conns < s->cfg->max_connections ? s->fd_conns : s->cfg->max_connections;
 }
 
-static void refuse(struct server *s, struct conn *c)
+/* Answers `unavailable` (why: what is over its limit) and closes. */
+static void refuse(struct server *s, struct conn *c, const char *why)
 {
 	char msg[160];
 	int n = snprintf(msg, sizeof(msg),
-	                 "{\"ok\":false,\"error\":{\"code\":\"unavailable\",\"message\":\"too "
-	                 "many connections (limit %zu); retry later\"}}\n",
-	                 conn_limit(s));
-	uv_buf_t b = uv_buf_init(msg, (unsigned int)n);
+	                 "{\"ok\":false,\"error\":{\"code\":\"unavailable\",\"message\":\"%s; "
+	                 "retry later\"}}\n",
+	                 why);
+	uv_buf_t b = uv_buf_init(msg, n > 0 && (size_t)n < sizeof(msg) ? (unsigned int)n : 0);
 
 	/* Best effort: a fresh socket's buffer takes one short line. */
 	uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
@@ -805,6 +815,7 @@ static void on_connection(uv_stream_t *ls, int status)
 {
 	struct server *s = ls->data;
 	struct conn *c;
+	bool no_memory = false;
 
 	if (status < 0) {
 		log_msg(LOG_WARN, "server", "accept: %s", uv_strerror(status));
@@ -812,8 +823,19 @@ static void on_connection(uv_stream_t *ls, int status)
 	}
 	c = calloc(1, sizeof(*c));
 	if (!c) {
-		log_msg(LOG_ERROR, "server", "out of memory accepting a connection");
-		return;
+		/* A connection left unaccepted stops libuv from watching the listener until
+		 * uv_accept is called: the daemon would never accept anyone again. It is taken
+		 * into the spare and refused; when the spare is out (its connection not closed
+		 * yet), it waits in libuv until that close gives the spare back (on_closed). */
+		log_msg(LOG_ERROR, "server", "out of memory accepting a connection; refusing it");
+		if (!s->spare) {
+			s->accept_waiting = true;
+			return;
+		}
+		c = s->spare;
+		s->spare = NULL;
+		memset(c, 0, sizeof(*c));
+		no_memory = true;
 	}
 	c->srv = s;
 	framer_init(&c->fr, s->cfg->max_line_bytes);
@@ -831,6 +853,13 @@ static void on_connection(uv_stream_t *ls, int status)
 		conn_close(c);
 		return;
 	}
+	if (no_memory) {
+		uv_os_fd_t fd;
+		if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0)
+			discard_input(fd);
+		refuse(s, c, "out of memory");
+		return;
+	}
 	if (s->cfg->nallow_uids > 0 || s->cfg->nallow_gids > 0) {
 		struct ucred cr;
 		uv_os_fd_t fd;
@@ -845,7 +874,9 @@ static void on_connection(uv_stream_t *ls, int status)
 		}
 	}
 	if (s->nconns > conn_limit(s)) {
-		refuse(s, c);
+		char why[80];
+		snprintf(why, sizeof(why), "too many connections (limit %zu)", conn_limit(s));
+		refuse(s, c, why);
 		return;
 	}
 	s->dispatch->stats.connections_accepted++;
@@ -1080,9 +1111,18 @@ int server_start(struct server *s, uv_loop_t *loop, const struct config *cfg,
 	s->cfg = cfg;
 	s->dispatch = dispatch;
 	dispatch->on_ready = on_restore_ready;
+	if (!(s->spare = calloc(1, sizeof(*s->spare)))) {
+		if (listen_fd >= 0)
+			close(listen_fd);
+		log_msg(LOG_ERROR, "server", "out of memory");
+		return -ENOMEM;
+	}
 	rc = listen_fd >= 0 ? listen_activated(s, listen_fd) : listen_path(s);
-	if (rc < 0)
+	if (rc < 0) {
+		free(s->spare);
+		s->spare = NULL;
 		return rc;
+	}
 	s->listening = true;
 	conn_limit(s); /* the open-file limit raised, or its warning, at the start */
 	uv_check_init(loop, &s->turn);
@@ -1113,6 +1153,8 @@ static void server_maybe_stopped(struct server *s)
 {
 	if (s->nconns > 0 || !s->stopping || uv_is_closing((uv_handle_t *)&s->deadline))
 		return;
+	free(s->spare);
+	s->spare = NULL;
 	s->handles_open = 4;
 	uv_close((uv_handle_t *)&s->turn, on_handle_closed);
 	uv_close((uv_handle_t *)&s->turn_before_poll, on_handle_closed);

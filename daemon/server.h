@@ -27,6 +27,9 @@ struct server {
 	struct conn *held;             /* connections with answers waiting for a commit */
 	uint64_t failures_seen;        /* the dispatch's failed commits already answered */
 	size_t nconns;
+	/* A connection's memory, for accepting one (to refuse it) when calloc fails. */
+	struct conn *spare;
+	bool accept_waiting; /* one waits in libuv for the spare (on_connection) */
 	size_t fd_conns;     /* connections the open-file limit leaves room for (conn_limit) */
 	size_t fd_limit_for; /* the max-connections that was worked out for */
 	int handles_open; /* while stopping: handles whose close is pending */

@@ -7,11 +7,15 @@
  * result). jansson's own failures count too: its parser would drop a byte or report a
  * syntax error, and the daemon must notice (ops_json_alloc_init). Every conversation must
  * keep its invariants, and each run must free all it allocated. */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "buf.h"
@@ -20,6 +24,7 @@
 #include "log.h"
 #include "message.h"
 #include "ops.h"
+#include "server.h"
 #include "store.h"
 #include "test.h"
 
@@ -33,12 +38,17 @@ static struct {
 	/* Allocations not yet freed, armed or not (the store's writer thread frees too). */
 	_Atomic long live;
 	void *refuse_old; /* realloc of this block fails, armed or not; NULL = none */
+	bool refuse_all;  /* while armed, every allocation fails (memory is out) */
 } A;
 
 static bool refuse(void)
 {
 	if (!A.armed)
 		return false;
+	if (A.refuse_all) {
+		A.failed = true;
+		return true;
+	}
 	if (++A.calls != A.fail_at)
 		return false;
 	A.failed = true;
@@ -906,6 +916,300 @@ static void restore_refused(void)
 	message_free(m);
 }
 
+/* --- the server: accepting, reading, framing, writing ------------------------------------ */
+
+/* Requests sent at once on one connection through daemon/server.c (a real Unix socket and
+ * libuv loop, memory only), with the Nth allocation of the exchange refused, for every N:
+ * the connection's own memory, its read and answer buffers, the requests' handling. What
+ * comes back must be the right answers (op, ok, error code, id), any of them possibly
+ * replaced by an `internal` or `unavailable` error, up to where the server closed the
+ * connection; nothing may hang. Then the server must accept and answer a new connection
+ * (a connection left unaccepted once stopped libuv from watching the listener for good),
+ * and free everything once stopped. */
+static const char srv_payload[] =
+    "{\"id\":1,\"op\":\"ping\"}\n"
+    "{\"id\":2,\"op\":\"add_user\",\"conversation\":\"s1\",\"contents\":\"Hi\"}\n"
+    "{\"id\":3,\"op\":\"get_messages\",\"conversation\":\"nope\"}\n"
+    "not json\n"
+    "{\"id\":5,\"op\":\"add_assistant\",\"conversation\":\"s1\",\"contents\":[\"Hel\",\"lo\"]}\n"
+    "\n"
+    "{\"id\":6,\"op\":\"get_messages\",\"conversation\":\"s1\",\"format\":\"openai\"}\n"
+    "{\"id\":7,\"op\":\"describe\",\"conversation\":\"s1\"}\n"
+    "{\"id\":8,\"op\":\"stats\"}\n";
+#define SRV_ANSWERS 8
+
+struct rig {
+	uv_loop_t loop;
+	struct config cfg;
+	struct dispatch d;
+	struct server srv;
+	char dir[256], path[300];
+};
+
+static bool rig_stopped;
+
+static void rig_on_stopped(struct server *s)
+{
+	(void)s;
+	rig_stopped = true;
+}
+
+static bool rig_start(struct rig *r)
+{
+	const char *tmp = getenv("TMPDIR");
+
+	memset(r, 0, sizeof(*r));
+	snprintf(r->dir, sizeof(r->dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	if (!mkdtemp(r->dir))
+		return false;
+	snprintf(r->path, sizeof(r->path), "%s/s.sock", r->dir);
+	CHECK(uv_loop_init(&r->loop) == 0);
+	config_defaults(&r->cfg);
+	r->cfg.memory_only = true;
+	r->cfg.socket_path = r->path;
+	CHECK(dispatch_init(&r->d, &r->cfg, NULL, NULL) == 0);
+	return server_start(&r->srv, &r->loop, &r->cfg, &r->d, -1) == 0;
+}
+
+static void rig_stop(struct rig *r)
+{
+	rig_stopped = false;
+	server_stop(&r->srv, rig_on_stopped);
+	uv_run(&r->loop, UV_RUN_DEFAULT);
+	CHECK(rig_stopped);
+	CHECK(uv_loop_close(&r->loop) == 0);
+	dispatch_free(&r->d);
+	config_free(&r->cfg);
+	rmdir(r->dir);
+}
+
+static double now_s(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* Connects, sends payload and turns the loop until want answer lines came back, the server
+ * closed the connection, or 5 s passed; then closes and lets the server see it. The
+ * complete lines that came back are in got (NUL-terminated); *closed says the server
+ * closed first. */
+static size_t rig_exchange(struct rig *r, const char *payload, char *got, size_t cap, size_t want,
+                           bool *closed)
+{
+	struct sockaddr_un sa;
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	size_t len = 0, lines = 0, sent = 0, plen = strlen(payload), end = 0;
+	double t0 = now_s();
+
+	*closed = false;
+	got[0] = '\0';
+	memset(&sa, 0, sizeof(sa));
+	sa.sun_family = AF_UNIX;
+	CHECK(fd >= 0 && strlen(r->path) < sizeof(sa.sun_path));
+	if (fd < 0 || strlen(r->path) >= sizeof(sa.sun_path))
+		return 0;
+	memcpy(sa.sun_path, r->path, strlen(r->path) + 1);
+	CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+	while (lines < want && now_s() - t0 < 5) {
+		ssize_t n;
+		if (sent < plen) {
+			n = send(fd, payload + sent, plen - sent, MSG_NOSIGNAL);
+			if (n > 0)
+				sent += (size_t)n;
+		}
+		uv_run(&r->loop, UV_RUN_NOWAIT);
+		n = recv(fd, got + len, cap - 1 - len, 0);
+		if (n > 0) {
+			for (size_t i = len; i < len + (size_t)n; i++)
+				if (got[i] == '\n') {
+					lines++;
+					end = i + 1;
+				}
+			len += (size_t)n;
+		} else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+			*closed = true;
+			break;
+		}
+	}
+	got[end] = '\0'; /* an unfinished last line is not an answer */
+	close(fd);
+	for (int i = 0; i < 50; i++)
+		uv_run(&r->loop, UV_RUN_NOWAIT);
+	return lines;
+}
+
+/* An answer's (id, ok, code) as one string, "?" for a line that is not an answer. */
+static void answer_key(const char *line, size_t n, char *out, size_t size)
+{
+	json_t *j = json_loadb(line, n, 0, NULL), *id, *ok;
+	char *ids = NULL;
+
+	snprintf(out, size, "?");
+	if (!j || !json_is_object(j)) {
+		json_decref(j);
+		return;
+	}
+	id = json_object_get(j, "id");
+	ok = json_object_get(j, "ok");
+	if (id)
+		ids = json_dumps(id, JSON_ENCODE_ANY | JSON_COMPACT);
+	if (json_is_true(ok) && json_is_object(json_object_get(j, "result")))
+		snprintf(out, size, "%s ok", ids ? ids : "-");
+	else if (json_is_false(ok))
+		snprintf(
+		    out, size, "%s %s", ids ? ids : "-",
+		    json_string_value(json_object_get(json_object_get(j, "error"), "code"))
+		        ? json_string_value(json_object_get(json_object_get(j, "error"), "code"))
+		        : "?");
+	free(ids);
+	json_decref(j);
+}
+
+/* Memory out while two clients connect at once: the first is taken into the spare and
+ * refused; the second waits in libuv until that connection's close gives the spare back,
+ * then is refused the same way. Both are told why; once memory is back, the next client is
+ * served and nothing leaks. */
+static void server_spare_out(void)
+{
+	struct rig r;
+	struct sockaddr_un sa;
+	int fds[2];
+	char got[2][512], probe[512];
+	size_t len[2] = {0, 0};
+	long live_before = A.live;
+	bool closed[2] = {false, false}, probe_closed;
+	double t0;
+
+	if (!rig_start(&r)) {
+		CHECK(!"server_start");
+		return;
+	}
+	memset(&sa, 0, sizeof(sa));
+	sa.sun_family = AF_UNIX;
+	memcpy(sa.sun_path, r.path, strlen(r.path) + 1);
+	A.refuse_all = A.armed = true;
+	for (int i = 0; i < 2; i++) {
+		fds[i] = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+		CHECK(fds[i] >= 0 && connect(fds[i], (struct sockaddr *)&sa, sizeof(sa)) == 0);
+	}
+	t0 = now_s();
+	while (!(closed[0] && closed[1]) && now_s() - t0 < 5) {
+		uv_run(&r.loop, UV_RUN_NOWAIT);
+		for (int i = 0; i < 2; i++) {
+			ssize_t n;
+			if (closed[i])
+				continue;
+			n = recv(fds[i], got[i] + len[i], sizeof(got[i]) - 1 - len[i], 0);
+			if (n > 0)
+				len[i] += (size_t)n;
+			else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+				closed[i] = true;
+		}
+	}
+	A.refuse_all = A.armed = false;
+	for (int i = 0; i < 2; i++) {
+		got[i][len[i]] = '\0';
+		if (!strstr(got[i], "\"unavailable\"") || !strstr(got[i], "out of memory"))
+			fprintf(stderr, "spare out: client %d got %s\n", i, got[i]);
+		CHECK(closed[i] && strstr(got[i], "\"unavailable\"") &&
+		      strstr(got[i], "out of memory; retry later"));
+		close(fds[i]);
+	}
+	CHECK(r.d.stats.connections_refused == 2);
+	CHECK(rig_exchange(&r, "{\"op\":\"ping\"}\n", probe, sizeof(probe), 1, &probe_closed) == 1);
+	CHECK(strstr(probe, "\"pong\":true") != NULL);
+	rig_stop(&r);
+	CHECK(A.live == live_before);
+}
+
+static void server_refused(void)
+{
+	char want[SRV_ANSWERS][64], got[65536], key[64];
+	unsigned long n, every = 1, errors = 0, closes = 0, total = 0;
+	enum log_level level = log_get_level();
+
+	if (getenv("CONVOD_ALLOC_FAIL_EVERY"))
+		every = strtoul(getenv("CONVOD_ALLOC_FAIL_EVERY"), NULL, 10);
+	if (every < 1)
+		every = 1;
+	log_set_level(LOG_ERROR);
+	for (n = 0;; n = n ? n + every : 1) {
+		struct rig r;
+		long live_before = A.live;
+		size_t lines, k = 0;
+		bool closed, refused;
+		const char *p;
+
+		if (!rig_start(&r)) {
+			CHECK(!"server_start");
+			break;
+		}
+		A.calls = 0;
+		A.fail_at = n;
+		A.failed = false;
+		A.armed = true;
+		lines = rig_exchange(&r, srv_payload, got, sizeof(got), SRV_ANSWERS, &closed);
+		A.armed = false;
+		refused = A.failed;
+		if (!n)
+			total = A.calls;
+		/* Every answer is the right one, or an error the refusal made. */
+		p = got;
+		for (const char *nl; (nl = strchr(p, '\n')) != NULL && k < SRV_ANSWERS;
+		     p = nl + 1, k++) {
+			answer_key(p, (size_t)(nl - p), key, sizeof(key));
+			if (!n) {
+				snprintf(want[k], sizeof(want[k]), "%s", key);
+				continue;
+			}
+			if (strcmp(key, want[k]) == 0)
+				continue;
+			errors++;
+			if (!strstr(key, " internal") && !strstr(key, " unavailable"))
+				fprintf(stderr, "server N=%lu answer %zu: %s, expected %s\n", n, k,
+				        key, want[k]);
+			CHECK(strstr(key, " internal") || strstr(key, " unavailable"));
+		}
+		if (!n) {
+			CHECK(lines == SRV_ANSWERS && !closed);
+			CHECK_STR(want[0], "1 ok");
+			CHECK_STR(want[2], "3 not_found");
+			CHECK_STR(want[3], "- parse_error");
+			CHECK_STR(want[7], "8 ok");
+		} else if (lines < SRV_ANSWERS) {
+			/* Fewer answers: only because the server closed the connection. */
+			if (!closed)
+				fprintf(stderr, "server N=%lu: %zu answers and no close\n", n,
+				        lines);
+			CHECK(closed);
+			closes++;
+		}
+		/* The next client is served. */
+		lines =
+		    rig_exchange(&r, "{\"id\":9,\"op\":\"ping\"}\n", got, sizeof(got), 1, &closed);
+		if (lines != 1 || !strstr(got, "\"pong\":true"))
+			fprintf(stderr,
+			        "server N=%lu: the next connection got %zu answers: %.100s\n", n,
+			        lines, got);
+		CHECK(lines == 1 && strstr(got, "\"pong\":true"));
+		rig_stop(&r);
+		if (A.live != live_before)
+			fprintf(stderr, "server N=%lu: %ld allocations not freed\n", n,
+			        A.live - live_before);
+		CHECK(A.live == live_before);
+		if (n && !refused)
+			break;
+	}
+	log_set_level(level);
+	CHECK(total > 20);
+	CHECK(n > total);
+	fprintf(stderr,
+	        "alloc_fail server: %lu allocations in the exchange, refused one at a time (every "
+	        "%lu): %lu answers were errors, %lu connections closed early\n",
+	        total, every, errors, closes);
+}
+
 int main(void)
 {
 	char *expected[NSTEPS] = {NULL};
@@ -955,6 +1259,8 @@ int main(void)
 	store_load_refused();
 	submit_seqs();
 	submit_seqs_refused();
+	server_refused();
+	server_spare_out();
 	for (size_t i = 0; i < NSTEPS; i++)
 		(free)(expected[i]);
 	return test_done("alloc_fail");
