@@ -943,8 +943,21 @@ struct rig {
 	struct config cfg;
 	struct dispatch d;
 	struct server srv;
+	struct store *store;  /* NULL: memory only */
+	uv_async_t committed; /* the writer's commits reach the server (as in main.c) */
 	char dir[256], path[300];
 };
+
+static void rig_on_committed(uv_async_t *h)
+{
+	struct rig *r = h->data;
+	server_progress(&r->srv);
+}
+
+static void rig_wake(void *arg)
+{
+	uv_async_send(arg);
+}
 
 static bool rig_stopped;
 
@@ -954,9 +967,12 @@ static void rig_on_stopped(struct server *s)
 	rig_stopped = true;
 }
 
-static bool rig_start(struct rig *r)
+/* with_store: durability process on a store in a directory of its own (SQLite's own
+ * allocations are not refused), else memory only. */
+static bool rig_start(struct rig *r, bool with_store)
 {
 	const char *tmp = getenv("TMPDIR");
+	char err[256];
 
 	memset(r, 0, sizeof(*r));
 	snprintf(r->dir, sizeof(r->dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -965,22 +981,43 @@ static bool rig_start(struct rig *r)
 	snprintf(r->path, sizeof(r->path), "%s/s.sock", r->dir);
 	CHECK(uv_loop_init(&r->loop) == 0);
 	config_defaults(&r->cfg);
-	r->cfg.memory_only = true;
+	r->cfg.memory_only = !with_store;
 	r->cfg.socket_path = r->path;
-	CHECK(dispatch_init(&r->d, &r->cfg, NULL, NULL) == 0);
+	r->committed.data = r;
+	CHECK(uv_async_init(&r->loop, &r->committed, rig_on_committed) == 0);
+	if (with_store) {
+		CHECK(store_open(r->dir, DURABILITY_PROCESS, &r->store, err, sizeof(err)) == 0);
+		if (!r->store)
+			return false;
+		store_set_wake(r->store, rig_wake, &r->committed);
+	}
+	CHECK(dispatch_init(&r->d, &r->cfg, r->store, NULL) == 0);
 	return server_start(&r->srv, &r->loop, &r->cfg, &r->d, -1) == 0;
 }
 
 static void rig_stop(struct rig *r)
 {
+	char path[400];
+
 	rig_stopped = false;
 	server_stop(&r->srv, rig_on_stopped);
-	uv_run(&r->loop, UV_RUN_DEFAULT);
+	while (!rig_stopped && uv_run(&r->loop, UV_RUN_ONCE))
+		;
 	CHECK(rig_stopped);
+	uv_close((uv_handle_t *)&r->committed, NULL);
+	uv_run(&r->loop, UV_RUN_DEFAULT);
 	CHECK(uv_loop_close(&r->loop) == 0);
 	dispatch_free(&r->d);
+	if (r->store)
+		store_close(r->store);
 	config_free(&r->cfg);
-	rmdir(r->dir);
+	for (const char *const *f =
+	         (const char *const[]){"convod.db", "convod.db-wal", "convod.db-shm", "lock", NULL};
+	     *f; f++) {
+		snprintf(path, sizeof(path), "%s/%s", r->dir, *f);
+		unlink(path);
+	}
+	CHECK(rmdir(r->dir) == 0);
 }
 
 static double now_s(void)
@@ -1081,7 +1118,7 @@ static void server_spare_out(void)
 	bool closed[2] = {false, false}, probe_closed;
 	double t0;
 
-	if (!rig_start(&r)) {
+	if (!rig_start(&r, false)) {
 		CHECK(!"server_start");
 		return;
 	}
@@ -1123,7 +1160,7 @@ static void server_spare_out(void)
 	CHECK(A.live == live_before);
 }
 
-static void server_refused(void)
+static void server_refused(bool with_store)
 {
 	char want[SRV_ANSWERS][64], got[65536], key[64];
 	unsigned long n, every = 1, errors = 0, closes = 0, total = 0;
@@ -1141,7 +1178,7 @@ static void server_refused(void)
 		bool closed, refused;
 		const char *p;
 
-		if (!rig_start(&r)) {
+		if (!rig_start(&r, with_store)) {
 			CHECK(!"server_start");
 			break;
 		}
@@ -1205,9 +1242,9 @@ static void server_refused(void)
 	CHECK(total > 20);
 	CHECK(n > total);
 	fprintf(stderr,
-	        "alloc_fail server: %lu allocations in the exchange, refused one at a time (every "
-	        "%lu): %lu answers were errors, %lu connections closed early\n",
-	        total, every, errors, closes);
+	        "alloc_fail server (%s): %lu allocations in the exchange, refused one at a time "
+	        "(every %lu): %lu answers were errors, %lu connections closed early\n",
+	        with_store ? "durability process" : "memory only", total, every, errors, closes);
 }
 
 int main(void)
@@ -1259,7 +1296,8 @@ int main(void)
 	store_load_refused();
 	submit_seqs();
 	submit_seqs_refused();
-	server_refused();
+	server_refused(false);
+	server_refused(true);
 	server_spare_out();
 	for (size_t i = 0; i < NSTEPS; i++)
 		(free)(expected[i]);
