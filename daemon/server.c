@@ -75,6 +75,14 @@ static void conn_serve(struct conn *c);
 static void server_maybe_stopped(struct server *s);
 static void on_connection(uv_stream_t *ls, int status);
 
+/* File descriptors kept for the daemon's own use beyond its connections: the store's files
+ * (two SQLite connections and the checkpoint thread's WAL), the listener, libuv's own, the
+ * flusher's sockets to DynamoDB, the journal, and the one a refusal is answered on. */
+#define SERVER_FD_RESERVE 64
+/* A connection whose descriptor leaves fewer than this many below the open-file limit is
+ * refused (on_connection): room for the flusher's sockets and SQLite's files. */
+#define SERVER_FD_HEADROOM 16
+
 static void conn_mark_dirty(struct conn *c)
 {
 	if (c->dirty || c->out.len == 0)
@@ -666,11 +674,6 @@ static void on_before_poll(uv_prepare_t *h)
 		server_turn(s);
 }
 
-/* File descriptors kept for the daemon's own use beyond its connections: the store's files
- * (two SQLite connections and the checkpoint thread's WAL), the listener, libuv's own, the
- * flusher's sockets to DynamoDB, the journal, and the one a refusal is answered on. */
-#define SERVER_FD_RESERVE 64
-
 /* The connections the open-file limit leaves room for, with max_connections of want: the
  * soft limit is raised towards want + SERVER_FD_RESERVE (as far as the hard limit allows),
  * and a warning says when that is still short. Past that number accept() would fail with
@@ -859,6 +862,27 @@ static void on_connection(uv_stream_t *ls, int status)
 			discard_input(fd);
 		refuse(s, c, "out of memory");
 		return;
+	}
+	{
+		uv_os_fd_t fd;
+		struct rlimit rl;
+		/* The open-file limit lowered while the daemon runs (prlimit), or files of its own
+		 * past SERVER_FD_RESERVE: the connection limit worked out at the start no longer
+		 * holds. Near the end of the limit (a new descriptor is the lowest free one, so its
+		 * number counts those open), the client is refused with an answer, before
+		 * accept() fails with EMFILE and libuv accepts and closes the waiting connections
+		 * without a word, uncounted. */
+		if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0 &&
+		    getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+		    (rlim_t)fd + SERVER_FD_HEADROOM >= rl.rlim_cur) {
+			char why[96];
+			snprintf(why, sizeof(why), "out of file descriptors (open-file limit %llu)",
+			         (unsigned long long)rl.rlim_cur);
+			log_msg(LOG_WARN, "server", "refusing a connection: %s", why);
+			discard_input(fd);
+			refuse(s, c, why);
+			return;
+		}
 	}
 	if (s->cfg->nallow_uids > 0 || s->cfg->nallow_gids > 0) {
 		struct ucred cr;

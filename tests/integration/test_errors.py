@@ -6,12 +6,14 @@ refused request changes nothing.
 failure inside the daemon) and no request from outside can reach it by design; the unit
 and fuzz tests cover those paths."""
 import json
+import os
 import re
+import resource
 import time
 
 import pytest
 
-from conftest import TIMEOUT_SCALE, Conn
+from conftest import TIMEOUT_SCALE, VALGRIND, Conn
 
 ULID_A = "01JRZJ166HZFPP405DV1QQB2X9"
 ULID_B = "01JRZJ166J2WRMF990535EVSQS"
@@ -650,6 +652,57 @@ def test_open_file_limit_lowers_the_connection_limit(daemon_factory):
     for c in again:
         ping(c)
     for c in served[10:]:
+        c.close()
+
+
+@pytest.mark.skipif(VALGRIND, reason="valgrind keeps descriptors of its own at the top of the limit")
+def test_open_file_limit_lowered_while_running(daemon_factory):
+    """The open-file limit lowered under a running daemon (prlimit): the connection limit it
+    worked out at the start no longer holds, and accept() would fail with EMFILE, where libuv
+    accepts and closes the waiting connections without a word and without calling back (they
+    were neither answered nor counted). Near the end of the limit the daemon refuses new
+    clients with an answer instead, keeps serving the ones it has, and serves new ones once
+    the limit is raised again."""
+    d = daemon_factory([])
+    pid = d.proc.pid
+    kept = [d.connect() for _ in range(3)]
+    for c in kept:
+        ping(c)
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    nfds = len(os.listdir("/proc/%d/fd" % pid))
+    low = nfds + 20
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        served, refused = [], []
+        for i in range(40):  # past the limit itself
+            c = Conn(d.socket, timeout=10)
+            try:
+                r = c.request({"op": "ping", "id": i})
+            except BrokenPipeError:
+                r = json.loads(c.recv_line())
+            if r.get("ok"):
+                served.append(c)
+                continue
+            assert r["error"]["code"] == "unavailable" and "id" not in r, r
+            assert "out of file descriptors (open-file limit %d)" % low in r["error"]["message"], r
+            with pytest.raises((EOFError, ConnectionResetError)):
+                c.recv_line()
+            refused.append(r)
+            c.close()
+        # Every client got an answer: 20 descriptors of room, 16 kept for the daemon's own.
+        assert len(served) + len(refused) == 40
+        assert 1 <= len(served) <= 8 and len(refused) >= 32, (len(served), len(refused))
+        st = kept[0].ok({"op": "stats"})["connections"]
+        assert st["refused"] == len(refused), st
+        assert "refusing a connection: out of file descriptors" in d.log()
+        for c in kept + served:
+            ping(c)
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    more = [d.connect() for _ in range(40)]
+    for c in more:
+        ping(c)
+    for c in kept + served + more:
         c.close()
 
 
