@@ -594,6 +594,29 @@ def test_unavailable_max_connections(daemon_factory):
     ping(c4)
 
 
+def connect_many(d, n, refusal):
+    """n clients, one after the other, each sending a ping: (the served connections, left
+    open; the refusals, whose message must hold `refusal`). A refused client's line is there
+    before its request, then the end (a reset when the daemon closed with it unread)."""
+    served, refused = [], []
+    for i in range(n):
+        c = Conn(d.socket, timeout=10)
+        try:
+            r = c.request({"op": "ping", "id": i})
+        except BrokenPipeError:  # refused before the request went out: the line is there
+            r = json.loads(c.recv_line())
+        if r.get("ok"):
+            served.append(c)
+            continue
+        assert r["error"]["code"] == "unavailable" and "id" not in r, r
+        assert refusal in r["error"]["message"], r
+        with pytest.raises((EOFError, ConnectionResetError)):
+            c.recv_line()
+        refused.append(r)
+        c.close()
+    return served, refused
+
+
 def test_open_file_limit_lowers_the_connection_limit(daemon_factory):
     """A client that opens connections without end, against a daemon whose open-file limit
     is below what max-connections needs: past the room the limit leaves, accept() would fail
@@ -608,24 +631,8 @@ def test_open_file_limit_lowers_the_connection_limit(daemon_factory):
                      r"\d+ connections: max-connections 1000 cannot be reached", d.log()), d.log()
     limit = int(re.search(r"leaves room for (\d+) connections", d.log()).group(1))
     assert limit <= room  # under valgrind, which keeps a few files of the limit, fewer
-    served, refused = [], []
-    for i in range(limit + 80):  # past the open-file limit itself
-        c = Conn(d.socket, timeout=10)
-        try:
-            r = c.request({"op": "ping", "id": i})
-        except BrokenPipeError:  # refused before the request went out: the line is there
-            r = json.loads(c.recv_line())
-        if r.get("ok"):
-            served.append(c)
-            continue
-        # The refusal is there before the request: the line is its answer, then the end
-        # (a reset when the daemon closed with the request unread).
-        assert r["error"]["code"] == "unavailable" and "id" not in r, r
-        assert "too many connections (limit %d)" % limit in r["error"]["message"], r
-        with pytest.raises((EOFError, ConnectionResetError)):
-            c.recv_line()
-        refused.append(r)
-        c.close()
+    # past the open-file limit itself
+    served, refused = connect_many(d, limit + 80, "too many connections (limit %d)" % limit)
     # Every client got an answer; the served ones fill the limit (less any the daemon has
     # not finished closing, such as its readiness check's).
     assert len(served) + len(refused) == limit + 80
@@ -673,22 +680,7 @@ def test_open_file_limit_lowered_while_running(daemon_factory):
     low = nfds + 20
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (low, hard))
     try:
-        served, refused = [], []
-        for i in range(40):  # past the limit itself
-            c = Conn(d.socket, timeout=10)
-            try:
-                r = c.request({"op": "ping", "id": i})
-            except BrokenPipeError:
-                r = json.loads(c.recv_line())
-            if r.get("ok"):
-                served.append(c)
-                continue
-            assert r["error"]["code"] == "unavailable" and "id" not in r, r
-            assert "out of file descriptors (open-file limit %d)" % low in r["error"]["message"], r
-            with pytest.raises((EOFError, ConnectionResetError)):
-                c.recv_line()
-            refused.append(r)
-            c.close()
+        served, refused = connect_many(d, 40, "out of file descriptors (open-file limit %d)" % low)
         # Every client got an answer: 20 descriptors of room, 16 kept for the daemon's own.
         assert len(served) + len(refused) == 40
         assert 1 <= len(served) <= 8 and len(refused) >= 32, (len(served), len(refused))
