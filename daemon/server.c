@@ -720,8 +720,10 @@ static size_t conn_limit(struct server *s)
 	return s->fd_conns < s->cfg->max_connections ? s->fd_conns : s->cfg->max_connections;
 }
 
-/* Answers `unavailable` (why: what is over its limit) and closes. */
-static void refuse(struct server *s, struct conn *c, const char *why)
+static void discard_input(int fd);
+
+/* Answers `unavailable` (why: what is over its limit) on c (its socket fd) and closes. */
+static void refuse(struct server *s, struct conn *c, int fd, const char *why)
 {
 	char msg[160];
 	int n = snprintf(msg, sizeof(msg),
@@ -731,6 +733,7 @@ static void refuse(struct server *s, struct conn *c, const char *why)
 	uv_buf_t b = uv_buf_init(msg, n > 0 && (size_t)n < sizeof(msg) ? (unsigned int)n : 0);
 
 	/* Best effort: a fresh socket's buffer takes one short line. */
+	discard_input(fd);
 	uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
 	s->dispatch->stats.connections_refused++;
 	conn_close(c);
@@ -814,11 +817,31 @@ static void deny(struct server *s, struct conn *c, int fd, const struct ucred *c
 	conn_close(c);
 }
 
+/* Is fd within SERVER_FD_HEADROOM of the open-file limit (*limit)? A new descriptor is the
+ * lowest free one, so its number counts those open. The limit is read again each time: it
+ * may have been lowered while the daemon runs (prlimit), or the daemon's own files may
+ * have grown past SERVER_FD_RESERVE, and then the connection limit worked out at the start
+ * no longer keeps accept() from failing with EMFILE, where libuv accepts and closes the
+ * waiting connections without a word and without calling back. */
+static bool fd_near_limit(int fd, unsigned long long *limit)
+{
+	struct rlimit rl;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY ||
+	    (rlim_t)fd + SERVER_FD_HEADROOM < rl.rlim_cur)
+		return false;
+	*limit = (unsigned long long)rl.rlim_cur;
+	return true;
+}
+
 static void on_connection(uv_stream_t *ls, int status)
 {
 	struct server *s = ls->data;
 	struct conn *c;
 	bool no_memory = false;
+	unsigned long long limit;
+	uv_os_fd_t fd;
+	char why[96];
 
 	if (status < 0) {
 		log_msg(LOG_WARN, "server", "accept: %s", uv_strerror(status));
@@ -830,11 +853,14 @@ static void on_connection(uv_stream_t *ls, int status)
 		 * uv_accept is called: the daemon would never accept anyone again. It is taken
 		 * into the spare and refused; when the spare is out (its connection not closed
 		 * yet), it waits in libuv until that close gives the spare back (on_closed). */
-		log_msg(LOG_ERROR, "server", "out of memory accepting a connection; refusing it");
 		if (!s->spare) {
+			log_msg(LOG_ERROR, "server",
+			        "out of memory accepting a connection; it waits for the last one "
+			        "refused");
 			s->accept_waiting = true;
 			return;
 		}
+		log_msg(LOG_ERROR, "server", "out of memory accepting a connection; refusing it");
 		c = s->spare;
 		s->spare = NULL;
 		memset(c, 0, sizeof(*c));
@@ -852,55 +878,31 @@ static void on_connection(uv_stream_t *ls, int status)
 		s->conns->prev = c;
 	s->conns = c;
 	s->nconns++;
-	if (uv_accept(ls, (uv_stream_t *)&c->pipe) < 0) {
+	if (uv_accept(ls, (uv_stream_t *)&c->pipe) < 0 ||
+	    uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0) {
 		conn_close(c);
 		return;
 	}
 	if (no_memory) {
-		uv_os_fd_t fd;
-		if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0)
-			discard_input(fd);
-		refuse(s, c, "out of memory");
+		refuse(s, c, fd, "out of memory");
 		return;
 	}
-	{
-		uv_os_fd_t fd;
-		struct rlimit rl;
-		/* The open-file limit lowered while the daemon runs (prlimit), or files of its own
-		 * past SERVER_FD_RESERVE: the connection limit worked out at the start no longer
-		 * holds. Near the end of the limit (a new descriptor is the lowest free one, so its
-		 * number counts those open), the client is refused with an answer, before
-		 * accept() fails with EMFILE and libuv accepts and closes the waiting connections
-		 * without a word, uncounted. */
-		if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0 &&
-		    getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
-		    (rlim_t)fd + SERVER_FD_HEADROOM >= rl.rlim_cur) {
-			char why[96];
-			snprintf(why, sizeof(why), "out of file descriptors (open-file limit %llu)",
-			         (unsigned long long)rl.rlim_cur);
-			log_msg(LOG_WARN, "server", "refusing a connection: %s", why);
-			discard_input(fd);
-			refuse(s, c, why);
-			return;
-		}
+	if (fd_near_limit(fd, &limit)) {
+		snprintf(why, sizeof(why), "out of file descriptors (open-file limit %llu)", limit);
+		log_msg(LOG_WARN, "server", "refusing a connection: %s", why);
+		refuse(s, c, fd, why);
+		return;
 	}
 	if (s->cfg->nallow_uids > 0 || s->cfg->nallow_gids > 0) {
 		struct ucred cr;
-		uv_os_fd_t fd;
-
-		if (uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0) {
-			conn_close(c);
-			return;
-		}
 		if (!peer_allowed(s, fd, &cr)) {
 			deny(s, c, fd, &cr);
 			return;
 		}
 	}
 	if (s->nconns > conn_limit(s)) {
-		char why[80];
 		snprintf(why, sizeof(why), "too many connections (limit %zu)", conn_limit(s));
-		refuse(s, c, why);
+		refuse(s, c, fd, why);
 		return;
 	}
 	s->dispatch->stats.connections_accepted++;

@@ -1011,12 +1011,9 @@ static void rig_stop(struct rig *r)
 	if (r->store)
 		store_close(r->store);
 	config_free(&r->cfg);
-	for (const char *const *f =
-	         (const char *const[]){"convod.db", "convod.db-wal", "convod.db-shm", "lock", NULL};
-	     *f; f++) {
-		snprintf(path, sizeof(path), "%s/%s", r->dir, *f);
-		unlink(path);
-	}
+	/* A closed store leaves its database alone (its WAL is checkpointed and removed). */
+	snprintf(path, sizeof(path), "%s/convod.db", r->dir);
+	CHECK(!r->store || unlink(path) == 0);
 	CHECK(rmdir(r->dir) == 0);
 }
 
@@ -1093,12 +1090,11 @@ static void answer_key(const char *line, size_t n, char *out, size_t size)
 		ids = json_dumps(id, JSON_ENCODE_ANY | JSON_COMPACT);
 	if (json_is_true(ok) && json_is_object(json_object_get(j, "result")))
 		snprintf(out, size, "%s ok", ids ? ids : "-");
-	else if (json_is_false(ok))
-		snprintf(
-		    out, size, "%s %s", ids ? ids : "-",
-		    json_string_value(json_object_get(json_object_get(j, "error"), "code"))
-		        ? json_string_value(json_object_get(json_object_get(j, "error"), "code"))
-		        : "?");
+	else if (json_is_false(ok)) {
+		const char *code =
+		    json_string_value(json_object_get(json_object_get(j, "error"), "code"));
+		snprintf(out, size, "%s %s", ids ? ids : "-", code ? code : "?");
+	}
 	free(ids);
 	json_decref(j);
 }
