@@ -1004,12 +1004,14 @@ static void rig_stop(struct rig *r)
 	while (!rig_stopped && uv_run(&r->loop, UV_RUN_ONCE))
 		;
 	CHECK(rig_stopped);
+	/* The store first, as in main.c: its writer thread may still wake the loop (after a
+	 * failed commit, say), and a wake once the loop is closed aborts in libuv. */
+	if (r->store)
+		store_close(r->store);
 	uv_close((uv_handle_t *)&r->committed, NULL);
 	uv_run(&r->loop, UV_RUN_DEFAULT);
 	CHECK(uv_loop_close(&r->loop) == 0);
 	dispatch_free(&r->d);
-	if (r->store)
-		store_close(r->store);
 	config_free(&r->cfg);
 	/* A closed store leaves its database alone (its WAL is checkpointed and removed). */
 	snprintf(path, sizeof(path), "%s/convod.db", r->dir);
