@@ -61,6 +61,17 @@ size_t buf_utf8_len(const char *str, size_t n)
 	return k;
 }
 
+bool buf_utf8_valid(const char *s, size_t n)
+{
+	for (size_t i = 0; i < n;) {
+		size_t k = (unsigned char)s[i] < 0x80 ? 1 : buf_utf8_len(s + i, n - i);
+		if (!k)
+			return false;
+		i += k;
+	}
+	return true;
+}
+
 /* Appends s as a JSON string: quotes, backslashes and control characters escaped, the
  * rest (valid UTF-8) as is. -EINVAL for invalid UTF-8, -ENOMEM. */
 int buf_append_jstring(struct buf *b, const char *str, size_t n)

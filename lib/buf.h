@@ -4,6 +4,7 @@
 #define CONVOD_BUF_H
 
 #include <jansson.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -43,6 +44,8 @@ int buf_append_jstring(struct buf *b, const char *s, size_t n);
  * (overlong forms, surrogates and code points above U+10FFFF included; an ASCII byte is
  * not a multi-byte sequence and gives 0 too). */
 size_t buf_utf8_len(const char *s, size_t n);
+/* Whether s[0..n) is valid UTF-8 (NUL bytes allowed). Allocates nothing. */
+bool buf_utf8_valid(const char *s, size_t n);
 /* Appends v in decimal. 0 or -ENOMEM. */
 int buf_append_jint(struct buf *b, int64_t v);
 /* Writes v in decimal to out (at most 20 bytes: INT64_MIN is "-9223372036854775808");

@@ -9,6 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "buf.h"
+#include "ops.h"
+
 /* Recursion bound for values of any origin; far above what DynamoDB stores, so it only
  * stops a hostile input from exhausting the stack. */
 #define NEST_GUARD 256
@@ -666,17 +669,16 @@ enum error_code ddbitem_sort_key(const json_t *map, char out[DDBITEM_SK_MAX + 1]
 
 static enum error_code conversation_ok(const char *conversation, struct error *err)
 {
-	json_t *utf8;
 	if (!conversation || !*conversation)
 		return error_set(err, ERR_BAD_REQUEST, "conversation: expected a non-empty id");
 	if (strlen(conversation) > DDBITEM_PARTITION_KEY_MAX)
 		return error_set(err, ERR_TOO_LARGE,
 		                 "conversation: DynamoDB keys hold at most %d bytes",
 		                 DDBITEM_PARTITION_KEY_MAX);
-	utf8 = json_string(conversation); /* NULL for invalid UTF-8 */
-	if (!utf8)
+	/* Checked without allocating: a refused allocation is not invalid UTF-8 (it was, when
+	 * json_string's NULL said both, and a write dead-lettered for want of memory). */
+	if (!buf_utf8_valid(conversation, strlen(conversation)))
 		return error_set(err, ERR_BAD_REQUEST, "conversation: expected UTF-8");
-	json_decref(utf8);
 	return ERR_OK;
 }
 
@@ -1053,15 +1055,27 @@ enum error_code ddbitem_batch_write_request(const char *table, json_t *const *it
 	return ERR_OK;
 }
 
-static json_t *load_answer(const char *body, size_t len, const char *what, struct error *err)
+/* The answer's JSON object, or NULL with *rc ERR_BAD_REQUEST, or ERR_INTERNAL when jansson
+ * ran out of memory: it may then report a syntax error or drop a byte of a string, so a
+ * failed allocation would pass for a broken answer or give a wrong item (sink_alloc_probe). */
+static json_t *load_answer(const char *body, size_t len, const char *what, struct error *err,
+                           enum error_code *rc)
 {
 	json_error_t jerr;
 	json_t *root;
+	bool lost = ops_json_alloc_failed();
+
+	*rc = ERR_BAD_REQUEST;
 	if (!body) {
 		error_set(err, ERR_BAD_REQUEST, "%s: no answer", what);
 		return NULL;
 	}
 	root = json_loadb(body, len, JSON_ALLOW_NUL, &jerr);
+	if (!lost && ops_json_alloc_failed()) {
+		json_decref(root);
+		*rc = oom(err);
+		return NULL;
+	}
 	if (!root) {
 		error_set(err, ERR_BAD_REQUEST, "%s: not JSON: %.80s", what, jerr.text);
 		return NULL;
@@ -1087,9 +1101,9 @@ enum error_code ddbitem_batch_write_parse(const char *body, size_t len, const ch
 	if (!unprocessed)
 		return error_set(err, ERR_BAD_REQUEST, "no output");
 	*unprocessed = NULL;
-	root = load_answer(body, len, "BatchWriteItem answer", err);
+	root = load_answer(body, len, "BatchWriteItem answer", err, &rc);
 	if (!root)
-		return ERR_BAD_REQUEST;
+		return rc;
 	result = json_array();
 	if (!result) {
 		rc = oom(err);
@@ -1179,15 +1193,16 @@ enum error_code ddbitem_query_parse(const char *body, size_t len, json_t **items
                                     struct error *err)
 {
 	json_t *root, *list, *key, *e;
+	enum error_code rc;
 	size_t i;
 
 	if (!items || !last_key)
 		return error_set(err, ERR_BAD_REQUEST, "no output");
 	*items = NULL;
 	*last_key = NULL;
-	root = load_answer(body, len, "Query answer", err);
+	root = load_answer(body, len, "Query answer", err, &rc);
 	if (!root)
-		return ERR_BAD_REQUEST;
+		return rc;
 	list = json_object_get(root, "Items");
 	key = json_object_get(root, "LastEvaluatedKey");
 	if (!json_is_array(list)) {
@@ -1231,10 +1246,11 @@ enum error_code ddbitem_create_table_request(const char *table, json_t **out, st
 int ddbitem_error_parse(const char *body, size_t len, char *type, size_t type_size, char *message,
                         size_t message_size)
 {
-	json_t *root = load_answer(body, len, "error", NULL), *t, *m;
+	enum error_code rc;
+	json_t *root = load_answer(body, len, "error", NULL, &rc), *t, *m;
 	const char *name, *hash;
 	if (!root)
-		return -EINVAL;
+		return rc == ERR_INTERNAL ? -ENOMEM : -EINVAL;
 	t = json_object_get(root, "__type");
 	m = json_object_get(root, "message");
 	if (!m)

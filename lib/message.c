@@ -753,18 +753,6 @@ int message_pack(struct buf *b, const struct message *m)
 	return m->aux ? buf_append_json(b, m->aux) : 0;
 }
 
-/* Whether s[0..n) is valid UTF-8 (NUL bytes allowed, as in contents). */
-static bool utf8_valid(const char *s, size_t n)
-{
-	for (size_t i = 0; i < n;) {
-		size_t k = (unsigned char)s[i] < 0x80 ? 1 : buf_utf8_len(s + i, n - i);
-		if (!k)
-			return false;
-		i += k;
-	}
-	return true;
-}
-
 /* A varint at *p of at most max. */
 static bool get_count(const char **p, const char *end, uint64_t max, uint64_t *v)
 {
@@ -807,7 +795,7 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 		if (!get_room(&p, end, 1, &v))
 			goto bad;
 		what = "contents: invalid UTF-8";
-		if (!utf8_valid(p, (size_t)v))
+		if (!buf_utf8_valid(p, (size_t)v))
 			goto bad;
 		/* The first text goes in the message's own block. */
 		if (i == 0 &&

@@ -245,6 +245,11 @@ int main(void)
 	CHECK(buf_utf8_len("\xf4\x90\x80\x80", 4) == 0);
 	CHECK(buf_utf8_len("\xc3" "a", 2) == 0);
 	CHECK(buf_utf8_len("a", 1) == 0);
+	/* buf_utf8_valid: a whole string, NUL bytes allowed, any bad or cut sequence refused. */
+	CHECK(buf_utf8_valid("", 0) && buf_utf8_valid("a\0b", 3));
+	CHECK(buf_utf8_valid("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", 14));
+	CHECK(!buf_utf8_valid("caf\xc3", 4) && !buf_utf8_valid("\xff", 1));
+	CHECK(!buf_utf8_valid("ok\xed\xa0\x80", 5) && !buf_utf8_valid("\xc0\xaf", 2));
 	/* A refused value leaves the buffer as it was. */
 	{
 		struct buf b = {NULL, 0, 0};
