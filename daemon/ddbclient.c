@@ -23,6 +23,7 @@
 #define SERVICE "dynamodb"
 #define POOL_MIN 8
 #define KEEP_BUFFER_BYTES 65536 /* a pooled request keeps at most this much of its buffers */
+#define SOCK_SPARES(max_conns) ((size_t)(max_conns) + 2) /* and a connection being replaced */
 
 struct request {
 	struct ddbclient *client;
@@ -64,6 +65,10 @@ struct ddbclient {
 	struct request *idle;
 	size_t nidle;
 	struct sock *socks;
+	/* Closed socks kept for the next sockets, SOCK_SPARES of them allocated up front: a
+	 * failed allocation in on_curl_socket makes libcurl 7.88 abort every transfer, and
+	 * some then never end or crash it (test_sink.py's allocation test found both). */
+	struct sock *spare_socks;
 	size_t handles; /* uv handles not closed yet: the timer and every sock */
 	bool closing;
 	void (*on_closed)(void *arg);
@@ -137,6 +142,15 @@ static bool url_valid(const char *url)
 
 /* ---- libuv side ---------------------------------------------------------------------- */
 
+static void socks_free(struct sock *s)
+{
+	while (s) {
+		struct sock *next = s->next;
+		free(s);
+		s = next;
+	}
+}
+
 static void client_maybe_closed(struct ddbclient *c)
 {
 	void (*cb)(void *);
@@ -146,6 +160,7 @@ static void client_maybe_closed(struct ddbclient *c)
 		return;
 	cb = c->on_closed;
 	arg = c->on_closed_arg;
+	socks_free(c->spare_socks);
 	free(c->url);
 	free(c->host);
 	free(c->region);
@@ -168,7 +183,8 @@ static void on_sock_closed(uv_handle_t *h)
 		c->socks = s->next;
 	if (s->next)
 		s->next->prev = s->prev;
-	free(s);
+	s->next = c->spare_socks;
+	c->spare_socks = s;
 	c->handles--;
 	client_maybe_closed(c);
 }
@@ -449,9 +465,13 @@ static int on_curl_socket(CURL *easy, curl_socket_t fd, int what, void *userp, v
 	if (c->closing)
 		return -1;
 	if (!s) {
-		s = calloc(1, sizeof(*s));
-		if (!s)
+		if (c->spare_socks) {
+			s = c->spare_socks;
+			c->spare_socks = s->next;
+			memset(s, 0, sizeof(*s));
+		} else if (!(s = calloc(1, sizeof(*s)))) {
 			return -1;
+		}
 		if (uv_poll_init_socket(c->loop, &s->poll, fd) < 0) {
 			free(s);
 			return -1;
@@ -519,6 +539,13 @@ int ddbclient_new(uv_loop_t *loop, const struct ddbclient_options *o, struct ddb
 	c->multi = curl_multi_init();
 	if (!c->url || !c->host || !c->region || !c->multi)
 		goto fail;
+	for (size_t i = 0; i < SOCK_SPARES(o->max_host_connections); i++) {
+		struct sock *s = calloc(1, sizeof(*s));
+		if (!s)
+			goto fail;
+		s->next = c->spare_socks;
+		c->spare_socks = s;
+	}
 	ok = curl_multi_setopt(c->multi, CURLMOPT_SOCKETFUNCTION, on_curl_socket) == CURLM_OK &&
 	     curl_multi_setopt(c->multi, CURLMOPT_SOCKETDATA, c) == CURLM_OK &&
 	     curl_multi_setopt(c->multi, CURLMOPT_TIMERFUNCTION, on_curl_timer) == CURLM_OK &&
@@ -535,6 +562,7 @@ int ddbclient_new(uv_loop_t *loop, const struct ddbclient_options *o, struct ddb
 fail:
 	if (c->multi)
 		curl_multi_cleanup(c->multi);
+	socks_free(c->spare_socks);
 	free(c->url);
 	free(c->host);
 	free(c->region);
