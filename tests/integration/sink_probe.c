@@ -11,18 +11,28 @@
  *              [--retry-max-ms MS] [--request-timeout-ms MS] [--connect-timeout-ms MS]
  *              [--timeout-ms MS] [--expect-dead N] [--dump] [--query] [--create-table]
  *              [--state-dir DIR] [--resume] [--stop-after-ms MS] [--close-deadline-ms MS]
- *              [--log-level L]
+ *              [--log-level L] [--prefix P]
  *
  * --updates K: K rounds of set_metadata on every even-numbered message of every
  *   conversation, each started once a further share of the writes is confirmed, so that
  *   new versions are enqueued while older ones are in flight.
  * --big-message B: one more message of B content bytes in the first conversation, written
  *   to the store without the daemon's size check: DynamoDB must refuse it for good.
+ * --prefix P: the conversations are P-0, P-1, ... (default probe-0, probe-1, ...).
  * --query: after the run, sink_query every conversation and compare with the store.
  * --stop-after-ms: close the sink after that long (deadline --close-deadline-ms) whatever
  *   is pending; with --state-dir and --resume, a later run sends what was left.
  * Without --state-dir the store lives in a new directory under $TMPDIR (else /tmp), removed
- * at the end. Prints "sink_probe: N items confirmed in S s: R items/s" on stderr. */
+ * at the end. Prints "sink_probe: N items confirmed in S s: R items/s" on stderr.
+ *
+ * Built a second time as sink_alloc_probe (SINK_PROBE_ALLOC_FAIL, tests/unit/alloc_fail.h
+ * forced into the sink's sources and lib/, jansson's and curl's allocators routed there
+ * too), it takes --fail-at N: from the first sink_kick until the sink is empty and the
+ * --query reads are done, the Nth allocation of the loop's thread is refused (0: none,
+ * only counted). The sink must still confirm every write (no dead letter, no spool row
+ * left), a query that failed for it is read again with nothing refused, and at the end
+ * every allocation is freed. It prints "sink_alloc_probe: A allocations, refused R" on
+ * stderr (R is 0 or 1). */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -43,11 +53,64 @@
 #include "store.h"
 #include "ulid.h"
 
+#ifdef SINK_PROBE_ALLOC_FAIL
+#include <curl/curl.h>
+
+#include "ops.h"
+
+/* curl's own allocations: counted as live (every one must be freed by the end) but never
+ * refused. libcurl 7.88.1 does not survive refusals: one leaves a transfer that never ends,
+ * a nearby one a division by zero inside curl (an ignored hash-table allocation failure). */
+#undef malloc
+#undef calloc
+#undef realloc
+#undef strdup
+static void *curl_malloc(size_t n)
+{
+	void *p = malloc(n);
+	if (p)
+		alloc_fail.live++;
+	return p;
+}
+
+static void *curl_calloc(size_t n, size_t size)
+{
+	void *p = calloc(n, size);
+	if (p)
+		alloc_fail.live++;
+	return p;
+}
+
+static void *curl_realloc(void *old, size_t n)
+{
+	void *p = realloc(old, n);
+	if (!old && p)
+		alloc_fail.live++;
+	else if (old && !p && n == 0)
+		alloc_fail.live--;
+	return p;
+}
+
+static char *curl_strdup(const char *s)
+{
+	char *p = strdup(s);
+	if (p)
+		alloc_fail.live++;
+	return p;
+}
+#define malloc(n) test_malloc(n)
+#define calloc(n, size) test_calloc(n, size)
+#define realloc(p, n) test_realloc(p, n)
+#define strdup(s) test_strdup(s)
+#endif
+
 struct opts {
 	const char *table, *state_dir, *log_level;
 	size_t conversations, messages, updates, payload, big_message, expect_dead;
 	struct sink_config cfg;
 	uint64_t timeout_ms, stop_after_ms, close_deadline_ms;
+	unsigned long fail_at; /* sink_alloc_probe: --fail-at */
+	bool alloc_mode;       /* sink_alloc_probe: arm the allocator */
 	bool dump, query, create_table, resume, local;
 };
 
@@ -66,6 +129,8 @@ struct probe {
 	size_t rounds_done; /* --updates rounds applied */
 	size_t settled;     /* settled callbacks */
 	size_t queries_left, query_items, query_mismatch;
+	size_t queries_refused; /* queries that failed for a refused allocation */
+	bool queries_again;     /* they are being read again, nothing refused */
 	json_t *final_stats;
 	uint64_t t0, t_end;
 	double cpu0, cpu_end; /* CPU seconds of this process at t0 and t_end */
@@ -115,8 +180,16 @@ static int64_t confirmed_now(struct probe *p)
 static void commit(struct probe *p)
 {
 	int rc;
-	if (store_in_transaction(p->store) && (rc = store_commit(p->store)) < 0)
+	if (store_in_transaction(p->store) && (rc = store_commit(p->store)) < 0) {
+#ifdef SINK_PROBE_ALLOC_FAIL
+		if (alloc_fail.failed) {
+			/* What the sink recorded is lost: its rows stay for the next start. */
+			fprintf(stderr, "sink_probe: commit refused: %s\n", strerror(-rc));
+			return;
+		}
+#endif
 		die("store_commit", rc);
+	}
 }
 
 static void begin(struct probe *p)
@@ -126,10 +199,12 @@ static void begin(struct probe *p)
 		die("store_begin", rc);
 }
 
-/* The conversation id of index i. */
+/* The conversation id of index i: "probe-i" unless --prefix said otherwise. */
+static const char *prefix = "probe";
+
 static void conv_id(size_t i, char *buf, size_t size)
 {
-	snprintf(buf, size, "probe-%zu", i);
+	snprintf(buf, size, "%s-%zu", prefix, i);
 }
 
 /* Content of message j of conversation i (the test recomputes it). */
@@ -306,6 +381,9 @@ static void finish(struct probe *p, uint64_t deadline)
 	if (p->finished)
 		return;
 	p->finished = true;
+#ifdef SINK_PROBE_ALLOC_FAIL
+	alloc_fail.armed = false;
+#endif
 	if (!p->t_end) {
 		p->t_end = uv_hrtime();
 		p->cpu_end = cpu_seconds();
@@ -318,6 +396,8 @@ static void finish(struct probe *p, uint64_t deadline)
 	sink_close(p->sink, deadline, on_closed, p);
 }
 
+static void start_queries(struct probe *p);
+
 static void on_query(void *arg, int status, const json_t *items)
 {
 	struct probe *p = arg;
@@ -325,7 +405,16 @@ static void on_query(void *arg, int status, const json_t *items)
 	json_t *item;
 
 	p->queries_left--;
-	if (status < 0) {
+#ifdef SINK_PROBE_ALLOC_FAIL
+	/* The probe's own checks below allocate nothing refused. */
+	bool armed = alloc_fail.armed;
+	alloc_fail.armed = false;
+	if (status < 0 && alloc_fail.failed && !p->queries_again) {
+		/* Refused: it is read again below, nothing refused. */
+		p->queries_refused++;
+	} else
+#endif
+	    if (status < 0) {
 		fprintf(stderr, "sink_probe: query failed: %s\n", strerror(-status));
 		p->failed = true;
 	} else {
@@ -352,8 +441,21 @@ static void on_query(void *arg, int status, const json_t *items)
 			json_decref(stored);
 		}
 	}
-	if (p->queries_left == 0)
-		finish(p, 0);
+#ifdef SINK_PROBE_ALLOC_FAIL
+	alloc_fail.armed = armed;
+#endif
+	if (p->queries_left > 0)
+		return;
+#ifdef SINK_PROBE_ALLOC_FAIL
+	if (p->queries_refused && !p->queries_again) {
+		alloc_fail.armed = false;
+		p->queries_again = true;
+		p->query_items = p->query_mismatch = 0;
+		start_queries(p);
+		return;
+	}
+#endif
+	finish(p, 0);
 }
 
 static void start_queries(struct probe *p)
@@ -363,8 +465,15 @@ static void start_queries(struct probe *p)
 		char id[64];
 		int rc;
 		conv_id(i, id, sizeof(id));
-		if ((rc = sink_query(p->sink, id, strlen(id), on_query, p)) < 0)
+		if ((rc = sink_query(p->sink, id, strlen(id), on_query, p)) < 0) {
+#ifdef SINK_PROBE_ALLOC_FAIL
+			if (alloc_fail.failed) {
+				on_query(p, rc, NULL); /* refused: read again at the end */
+				continue;
+			}
+#endif
 			die("sink_query", rc);
+		}
 	}
 }
 
@@ -488,7 +597,16 @@ static void parse(int argc, char **argv, struct opts *o)
 			o->stop_after_ms = num(v, a);
 		else if (OPT("--close-deadline-ms"))
 			o->close_deadline_ms = num(v, a);
-		else if (strcmp(a, "--dump") == 0)
+		else if (OPT("--prefix")) {
+			if (!*v || strlen(v) > 40) {
+				fprintf(stderr, "sink_probe: --prefix: 1 to 40 bytes\n");
+				exit(2);
+			}
+			prefix = v;
+		} else if (OPT("--fail-at")) {
+			o->fail_at = num(v, a);
+			o->alloc_mode = true;
+		} else if (strcmp(a, "--dump") == 0)
 			o->dump = true;
 		else if (strcmp(a, "--query") == 0)
 			o->query = true;
@@ -514,6 +632,12 @@ static void parse(int argc, char **argv, struct opts *o)
 		o->query = false;
 		o->updates = 0;
 	}
+#ifndef SINK_PROBE_ALLOC_FAIL
+	if (o->alloc_mode) {
+		fprintf(stderr, "sink_probe: --fail-at needs sink_alloc_probe\n");
+		exit(2);
+	}
+#endif
 	if (o->resume && !o->state_dir) {
 		fprintf(stderr, "sink_probe: --resume needs --state-dir\n");
 		exit(2);
@@ -628,6 +752,15 @@ int main(int argc, char **argv)
 	int rc, status = 0;
 
 	memset(&p, 0, sizeof(p));
+#ifdef SINK_PROBE_ALLOC_FAIL
+	/* Before anything allocates: jansson's and curl's allocations are counted too. */
+	ops_json_alloc_init(test_malloc, test_free);
+	if (curl_global_init_mem(CURL_GLOBAL_DEFAULT, curl_malloc, test_free, curl_realloc,
+	                         curl_strdup, curl_calloc) != CURLE_OK)
+		die("curl_global_init_mem", EIO);
+	alloc_fail.one_thread = true;
+	alloc_fail.thread = pthread_self();
+#endif
 	parse(argc, argv, &p.o);
 	if (log_level_parse(p.o.log_level, &level) == 0)
 		log_set_level(level);
@@ -702,6 +835,12 @@ int main(int argc, char **argv)
 		               p.o.stop_after_ms ? p.o.stop_after_ms : p.o.timeout_ms, 0);
 	p.t0 = uv_hrtime();
 	p.cpu0 = cpu_seconds();
+#ifdef SINK_PROBE_ALLOC_FAIL
+	alloc_fail.calls = 0;
+	alloc_fail.fail_at = p.o.fail_at;
+	alloc_fail.failed = false;
+	alloc_fail.armed = p.o.alloc_mode;
+#endif
 	sink_kick(p.sink);
 	uv_run(&p.loop, UV_RUN_DEFAULT);
 	if (!p.closed)
@@ -760,5 +899,14 @@ int main(int argc, char **argv)
 	if (uv_loop_close(&p.loop) != 0)
 		die("uv_loop_close: handles left open", EBUSY);
 	ddbclient_global_cleanup();
+#ifdef SINK_PROBE_ALLOC_FAIL
+	curl_global_cleanup(); /* the curl_global_init_mem above */
+	fprintf(
+	    stderr,
+	    "sink_alloc_probe: %lu allocations, refused %d, %zu queries refused, %ld not freed\n",
+	    alloc_fail.calls, alloc_fail.failed ? 1 : 0, p.queries_refused, (long)alloc_fail.live);
+	if (alloc_fail.live != 0)
+		status = 1;
+#endif
 	return status;
 }

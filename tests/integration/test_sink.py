@@ -8,6 +8,7 @@ DynamoDB confirmed it, whatever fails on the way (2); the table ends with every 
 once, at its newest version (3); a write refused for good is a counted dead letter (4); what
 was pending when the sink stopped is sent by the next run (5).
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -444,3 +445,100 @@ def test_query_retries_then_gives_up(probe, faultproxy, dynalite, ddb_table, tmp
                "--retry-base-ms", 10, "--retry-max-ms", 20)
     assert r.rc == 1 and "query failed: Input/output error" in r.err, r.err
     assert faultproxy.pending == 0
+
+
+# --- allocation failures (sink_alloc_probe) -----------------------------------------------
+
+def _alloc_probe_path():
+    if os.environ.get("SINK_ALLOC_PROBE_BIN"):
+        return os.environ["SINK_ALLOC_PROBE_BIN"]
+    convod = os.environ.get("CONVOD_BIN")
+    build = os.path.dirname(os.path.dirname(convod)) if convod else os.path.join(ROOT, "build")
+    return os.path.join(build, "tests", "integration", "sink_alloc_probe")
+
+
+_ALLOC_LINE = re.compile(r"sink_alloc_probe: (\d+) allocations, refused (\d), (\d+) queries "
+                         r"refused, (-?\d+) not freed")
+
+
+@pytest.mark.skipif(VALGRIND, reason="thousands of probe runs; the normal and ASan stages "
+                                     "run it")
+def test_allocation_failures(dynalite, ddb_table, tmp_path):
+    """The sink's whole work on 6 messages (items built from the store, BatchWriteItem
+    signed, sent and its answer parsed, the confirmations recorded, then a Query of each
+    conversation read back) with the Nth allocation of the loop's thread refused, for every
+    N: sink.c, ddbclient.c, lib/ (items, signing, parsing), the local store and jansson
+    (curl's own allocations are counted, not refused: see sink_probe.c). Each run must
+    still confirm every write, with no dead letter and the table equal to the store, or,
+    where the refusal hit the recording of a confirmation, leave those rows for the next
+    start, which sends them; nothing may hang or crash, and every allocation is freed."""
+    probe = _alloc_probe_path()
+    assert os.path.exists(probe), "sink_alloc_probe not built at %s" % probe
+    env = _env(tmp_path, dynalite)
+    conversations, messages = 2, 3
+    total = conversations * messages
+
+    def one(n):
+        state = tmp_path / ("s%d" % n)
+        state.mkdir()
+        prefix = "n%d" % n
+        r = _run([probe, "--table", ddb_table, "--prefix", prefix, "--state-dir", str(state),
+                  "--conversations", str(conversations), "--messages", str(messages),
+                  "--query", "--retry-base-ms", "1", "--retry-max-ms", "4",
+                  "--timeout-ms", "30000", "--fail-at", str(n)], env, timeout=120)
+        m = _ALLOC_LINE.search(r.err)
+        assert m, "N=%d: rc %d\n%s" % (n, r.rc, r.err[-3000:])
+        calls, refused, queries_refused, live = (int(g) for g in m.groups())
+        assert live == 0, "N=%d: %d allocations not freed\n%s" % (n, live, r.err[-3000:])
+        assert r.doc and r.doc["dead_letters"] == [], "N=%d: %s" % (n, r.err[-3000:])
+        assert "timed out" not in r.err, "N=%d: %s" % (n, r.err[-3000:])
+        assert r.doc["query_mismatch"] == 0, "N=%d: %s" % (n, r.err[-3000:])
+        resent = False
+        if r.rc != 0:
+            # Only a refusal while recording confirmations (sink.c) or committing them
+            # (the probe's turn, as the daemon's) may leave rows: DynamoDB has them, and
+            # the next start sends them again.
+            assert ("recording a confirmed write failed" in r.err or
+                    "sink_probe: commit refused" in r.err), "N=%d: %s" % (n, r.err[-3000:])
+            assert r.doc["spool_rows"] > 0
+            again = _run([probe, "--table", ddb_table, "--state-dir", str(state),
+                          "--resume", "--retry-base-ms", "1"], env, timeout=120)
+            assert again.rc == 0 and "sink_probe: OK" in again.err, again.err[-3000:]
+            assert again.doc["spool_rows"] == 0 and again.doc["dead_letters"] == []
+            resent = True
+        else:
+            assert "sink_probe: OK" in r.err
+            assert r.doc["spool_rows"] == 0 and r.doc["query_items"] == total, r.err[-3000:]
+        if resent or n % 97 == 0:
+            # The table itself, for these and a sample of the others.
+            for i in range(conversations):
+                items = ddb.query_all(dynalite, ddb_table, "%s-%d" % (prefix, i))
+                assert len(items) == messages, (n, i, items)
+                assert all(it["version"]["N"] == "1" for it in items), (n, items)
+        shutil.rmtree(state, ignore_errors=True)
+        return calls, refused, queries_refused, r.sink, resent
+
+    calls, refused, _, _, _ = one(0)
+    assert refused == 0 and calls > 500, calls  # the run does reach the allocating paths
+    outcomes = {}
+    n = 1
+    while True:
+        ns = list(range(n, n + 64))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            for k, out in zip(ns, pool.map(one, ns)):
+                outcomes[k] = out
+        n += 64
+        if any(outcomes[k][1] == 0 for k in ns):
+            break
+        assert n < 4 * calls, "allocations keep being refused after %d runs" % n
+    last = min(k for k in outcomes if outcomes[k][1] == 0)
+    tried = [outcomes[k] for k in range(1, last)]
+    assert all(o[1] == 1 for o in tried)
+    retried = sum(1 for o in tried if o[3]["retried"] or o[3]["failures"])
+    queries = sum(1 for o in tried if o[2])
+    resent = sum(1 for o in tried if o[4])
+    print("\nsink allocation failures: %d allocations in a clean run, %d refused in turn: "
+          "%d runs sent a write again, %d read a query again, %d left rows for the next start"
+          % (calls, len(tried), retried, queries, resent))
+    assert last > calls // 2, (last, calls)
+    assert retried > 50 and queries > 10, (retried, queries)
