@@ -27,15 +27,16 @@ SECRET = "sink-probe-secret-value"
 KEY_ID = "AKIDSINKPROBE0042"
 
 
-def _probe_path():
-    if os.environ.get("SINK_PROBE_BIN"):
-        return os.environ["SINK_PROBE_BIN"]
+def _probe_path(var, name):
+    """$var if set, else the probe `name` in the build of $CONVOD_BIN (or build/)."""
+    if os.environ.get(var):
+        return os.environ[var]
     convod = os.environ.get("CONVOD_BIN")
     build = os.path.dirname(os.path.dirname(convod)) if convod else os.path.join(ROOT, "build")
-    return os.path.join(build, "tests", "integration", "sink_probe")
+    return os.path.join(build, "tests", "integration", name)
 
 
-PROBE = _probe_path()
+PROBE = _probe_path("SINK_PROBE_BIN", "sink_probe")
 
 
 @pytest.fixture(scope="module")
@@ -449,14 +450,6 @@ def test_query_retries_then_gives_up(probe, faultproxy, dynalite, ddb_table, tmp
 
 # --- allocation failures (sink_alloc_probe) -----------------------------------------------
 
-def _alloc_probe_path():
-    if os.environ.get("SINK_ALLOC_PROBE_BIN"):
-        return os.environ["SINK_ALLOC_PROBE_BIN"]
-    convod = os.environ.get("CONVOD_BIN")
-    build = os.path.dirname(os.path.dirname(convod)) if convod else os.path.join(ROOT, "build")
-    return os.path.join(build, "tests", "integration", "sink_alloc_probe")
-
-
 _ALLOC_LINE = re.compile(r"sink_alloc_probe: (\d+) allocations, refused (\d), (\d+) queries "
                          r"refused, (-?\d+) not freed")
 
@@ -472,7 +465,7 @@ def test_allocation_failures(dynalite, ddb_table, tmp_path):
     still confirm every write, with no dead letter and the table equal to the store, or,
     where the refusal hit the recording of a confirmation, leave those rows for the next
     start, which sends them; nothing may hang or crash, and every allocation is freed."""
-    probe = _alloc_probe_path()
+    probe = _probe_path("SINK_ALLOC_PROBE_BIN", "sink_alloc_probe")
     assert os.path.exists(probe), "sink_alloc_probe not built at %s" % probe
     env = _env(tmp_path, dynalite)
     conversations, messages = 2, 3
