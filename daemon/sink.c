@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "buf.h"
 #include "ddbclient.h"
 #include "ddbitem.h"
 #include "log.h"
@@ -451,6 +452,22 @@ static void entry_retry(struct sink *s, struct entry *e, uint64_t now)
 	heap_up(s, s->nheap - 1);
 }
 
+/* j's compact JSON text, NUL-terminated, its length in *len; NULL when memory ran out. Not
+ * json_dumps: jansson 2.14's dumper ignores a failed allocation while writing an object's
+ * key and goes on, so a refused allocation gave a body without that key, which DynamoDB
+ * refused for good (SerializationException: the write became a dead letter). */
+static char *json_text(const json_t *j, size_t *len)
+{
+	struct buf b = {NULL, 0, 0};
+
+	if (buf_append_json(&b, j) < 0 || buf_append(&b, "", 1) < 0) {
+		buf_free(&b);
+		return NULL;
+	}
+	*len = b.len - 1;
+	return b.data;
+}
+
 static void entry_confirmed(struct sink *s, struct entry *e, uint32_t version)
 {
 	int rc = store_write_begin(s);
@@ -477,7 +494,8 @@ static void entry_confirmed(struct sink *s, struct entry *e, uint32_t version)
 static void entry_dead_letter(struct sink *s, struct entry *e, uint32_t version, const json_t *item,
                               const char *error)
 {
-	char *text = item ? json_dumps(item, JSON_COMPACT) : NULL;
+	size_t text_len;
+	char *text = item ? json_text(item, &text_len) : NULL;
 	int rc = store_write_begin(s);
 
 	if (rc == 0)
@@ -896,6 +914,7 @@ static int batch_send(struct sink *s, uint64_t now)
 	struct entry *e;
 	json_t *req = NULL;
 	char *body = NULL;
+	size_t body_len = 0;
 	struct error err;
 	char why[LAST_ERROR_MAX];
 	int rc;
@@ -924,16 +943,16 @@ static int batch_send(struct sink *s, uint64_t now)
 		return 0;
 	}
 	if (ddbitem_batch_write_request(s->table, b->item, b->n, &req, &err) != ERR_OK ||
-	    !(body = json_dumps(req, JSON_COMPACT))) {
+	    !(body = json_text(req, &body_len))) {
 		snprintf(why, sizeof(why), "BatchWriteItem: building the request: %.200s",
 		         req ? "out of memory" : err.message);
 		rc = -ENOMEM;
 		goto fail;
 	}
-	rc = ddbclient_call(s->client, "BatchWriteItem", body, strlen(body), on_batch_done, b);
+	rc = ddbclient_call(s->client, "BatchWriteItem", body, body_len, on_batch_done, b);
 	if (rc == -EMSGSIZE) {
 		snprintf(why, sizeof(why), "BatchWriteItem: request of %zu bytes over the limit",
-		         strlen(body));
+		         body_len);
 		batch_permanent(s, b, why);
 		goto out;
 	}
@@ -1291,6 +1310,7 @@ static void job_send(struct job *j)
 	struct sink *s = j->s;
 	json_t *req = NULL;
 	char *body = NULL;
+	size_t body_len = 0;
 	struct error err;
 	const char *op;
 	int rc;
@@ -1313,13 +1333,13 @@ static void job_send(struct job *j)
 		op = "DescribeTable";
 		req = json_pack("{s:s}", "TableName", s->table);
 	}
-	body = req ? json_dumps(req, JSON_COMPACT) : NULL;
+	body = req ? json_text(req, &body_len) : NULL;
 	json_decref(req);
 	if (!body) {
 		job_retry(j, "out of memory", -ENOMEM);
 		return;
 	}
-	rc = ddbclient_call(s->client, op, body, strlen(body), on_job_done, j);
+	rc = ddbclient_call(s->client, op, body, body_len, on_job_done, j);
 	free(body);
 	if (rc == 0) {
 		j->inflight = true;
