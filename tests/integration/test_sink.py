@@ -457,7 +457,8 @@ _ALLOC_LINE = re.compile(r"sink_alloc_probe: (\d+) allocations, refused (\d), (\
 @pytest.mark.skipif(VALGRIND, reason="thousands of probe runs; the normal and ASan stages "
                                      "run it")
 def test_allocation_failures(dynalite, ddb_table, tmp_path):
-    """The sink's whole work on 6 messages (items built from the store, BatchWriteItem
+    """The sink's whole work on 12 messages, half of them changed again while the first
+    versions are on their way, in batches of 5 (items built from the store, BatchWriteItem
     signed, sent and its answer parsed, the confirmations recorded, then a Query of each
     conversation read back) with the Nth allocation of the loop's thread refused, for every
     N: sink.c, ddbclient.c, lib/ (items, signing, parsing), the local store and jansson
@@ -468,7 +469,7 @@ def test_allocation_failures(dynalite, ddb_table, tmp_path):
     probe = _probe_path("SINK_ALLOC_PROBE_BIN", "sink_alloc_probe")
     assert os.path.exists(probe), "sink_alloc_probe not built at %s" % probe
     env = _env(tmp_path, dynalite)
-    conversations, messages = 2, 3
+    conversations, messages = 3, 4
     total = conversations * messages
 
     def one(n):
@@ -477,6 +478,7 @@ def test_allocation_failures(dynalite, ddb_table, tmp_path):
         prefix = "n%d" % n
         r = _run([probe, "--table", ddb_table, "--prefix", prefix, "--state-dir", str(state),
                   "--conversations", str(conversations), "--messages", str(messages),
+                  "--updates", "1", "--batch-items", "5",
                   "--query", "--retry-base-ms", "1", "--retry-max-ms", "4",
                   "--timeout-ms", "30000", "--fail-at", str(n)], env, timeout=120)
         m = _ALLOC_LINE.search(r.err)
@@ -503,35 +505,38 @@ def test_allocation_failures(dynalite, ddb_table, tmp_path):
             assert "sink_probe: OK" in r.err
             assert r.doc["spool_rows"] == 0 and r.doc["query_items"] == total, r.err[-3000:]
         if resent or n % 97 == 0:
-            # The table itself, for these and a sample of the others.
+            # The table itself, for these and a sample of the others: every message once
+            # (the probe's --query compared each with the store).
             for i in range(conversations):
                 items = ddb.query_all(dynalite, ddb_table, "%s-%d" % (prefix, i))
-                assert len(items) == messages, (n, i, items)
-                assert all(it["version"]["N"] == "1" for it in items), (n, items)
+                sks = [it["sk"]["S"] for it in items]
+                assert len(sks) == len(set(sks)) == messages, (n, i, items)
         shutil.rmtree(state, ignore_errors=True)
         return calls, refused, queries_refused, r.sink, resent
 
     calls, refused, _, _, _ = one(0)
     assert refused == 0 and calls > 500, calls  # the run does reach the allocating paths
+    # Under ASan every third N (the same paths, a third of the time).
+    step = 3 if _is_asan(probe) else 1
     outcomes = {}
     n = 1
     while True:
-        ns = list(range(n, n + 64))
+        ns = list(range(n, n + 64 * step, step))
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             for k, out in zip(ns, pool.map(one, ns)):
                 outcomes[k] = out
-        n += 64
+        n += 64 * step
         if any(outcomes[k][1] == 0 for k in ns):
             break
         assert n < 4 * calls, "allocations keep being refused after %d runs" % n
     last = min(k for k in outcomes if outcomes[k][1] == 0)
-    tried = [outcomes[k] for k in range(1, last)]
+    tried = [outcomes[k] for k in sorted(outcomes) if k < last]
     assert all(o[1] == 1 for o in tried)
     retried = sum(1 for o in tried if o[3]["retried"] or o[3]["failures"])
     queries = sum(1 for o in tried if o[2])
     resent = sum(1 for o in tried if o[4])
-    print("\nsink allocation failures: %d allocations in a clean run, %d refused in turn: "
-          "%d runs sent a write again, %d read a query again, %d left rows for the next start"
-          % (calls, len(tried), retried, queries, resent))
+    print("\nsink allocation failures: %d allocations in a clean run, %d refused in turn "
+          "(every %d): %d runs sent a write again, %d read a query again, %d left rows for "
+          "the next start" % (calls, len(tried), step, retried, queries, resent))
     assert last > calls // 2, (last, calls)
-    assert retried > 50 and queries > 10, (retried, queries)
+    assert retried > 50 // step and queries > 10 // step, (retried, queries)
