@@ -452,7 +452,8 @@ static void entry_retry(struct sink *s, struct entry *e, uint64_t now)
 	heap_up(s, s->nheap - 1);
 }
 
-/* j's compact JSON text, NUL-terminated, its length in *len; NULL when memory ran out. Not
+/* j's compact JSON text, NUL-terminated, its length in *len (if len); NULL when memory ran
+ * out. Not
  * json_dumps: jansson 2.14's dumper ignores a failed allocation while writing an object's
  * key and goes on, so a refused allocation gave a body without that key, which DynamoDB
  * refused for good (SerializationException: the write became a dead letter). */
@@ -464,7 +465,8 @@ static char *json_text(const json_t *j, size_t *len)
 		buf_free(&b);
 		return NULL;
 	}
-	*len = b.len - 1;
+	if (len)
+		*len = b.len - 1;
 	return b.data;
 }
 
@@ -494,8 +496,7 @@ static void entry_confirmed(struct sink *s, struct entry *e, uint32_t version)
 static void entry_dead_letter(struct sink *s, struct entry *e, uint32_t version, const json_t *item,
                               const char *error)
 {
-	size_t text_len;
-	char *text = item ? json_text(item, &text_len) : NULL;
+	char *text = item ? json_text(item, NULL) : NULL;
 	int rc = store_write_begin(s);
 
 	if (rc == 0)

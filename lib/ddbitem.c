@@ -1063,16 +1063,15 @@ static json_t *load_answer(const char *body, size_t len, const char *what, struc
 {
 	json_error_t jerr;
 	json_t *root;
-	bool lost = ops_json_alloc_failed();
+	bool no_memory;
 
 	*rc = ERR_BAD_REQUEST;
 	if (!body) {
 		error_set(err, ERR_BAD_REQUEST, "%s: no answer", what);
 		return NULL;
 	}
-	root = json_loadb(body, len, JSON_ALLOW_NUL, &jerr);
-	if (!lost && ops_json_alloc_failed()) {
-		json_decref(root);
+	root = ops_json_loadb(body, len, JSON_ALLOW_NUL, &jerr, &no_memory);
+	if (no_memory) {
 		*rc = oom(err);
 		return NULL;
 	}

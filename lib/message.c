@@ -838,11 +838,11 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 	}
 	if (flags & PACK_AUX) {
 		json_error_t je;
-		bool lost = ops_json_alloc_failed();
-		m->aux = json_loadb(p, (size_t)(end - p), JSON_ALLOW_NUL, &je);
+		bool no_memory;
+		m->aux = ops_json_loadb(p, (size_t)(end - p), JSON_ALLOW_NUL, &je, &no_memory);
 		/* jansson reports a failed allocation as a syntax error, or drops a byte of a
 		 * string: that is memory, not damage (test_alloc_fail's restore_refused). */
-		if (!lost && ops_json_alloc_failed())
+		if (no_memory)
 			goto oom;
 		what = "aux: not a non-empty object";
 		if (!json_is_object(m->aux) || !json_object_size(m->aux))

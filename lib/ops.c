@@ -959,3 +959,19 @@ void ops_json_alloc_reset(void)
 {
 	json_alloc_failed = false;
 }
+
+json_t *ops_json_loadb(const char *s, size_t n, size_t flags, json_error_t *e, bool *oom)
+{
+	bool before = json_alloc_failed;
+	json_t *j;
+
+	json_alloc_failed = false;
+	j = json_loadb(s, n, flags, e);
+	*oom = json_alloc_failed;
+	json_alloc_failed = before || *oom;
+	if (*oom) {
+		json_decref(j);
+		j = NULL;
+	}
+	return j;
+}

@@ -130,5 +130,9 @@ void ops_json_alloc_init(void *(*m)(size_t), void (*f)(void *));
 /* A jansson allocation failed since the last ops_json_alloc_reset. */
 bool ops_json_alloc_failed(void);
 void ops_json_alloc_reset(void);
+/* json_loadb, with *oom set when one of its allocations failed: the result (NULL, or a
+ * document that may have lost a byte) is then freed and NULL returned. The failure still
+ * counts for ops_json_alloc_failed, whatever it said before. */
+json_t *ops_json_loadb(const char *s, size_t n, size_t flags, json_error_t *e, bool *oom);
 
 #endif
