@@ -146,6 +146,15 @@ static void mark_changed(struct convo *c, size_t i)
 }
 
 /* Value of a canonical Crockford character (ids here are already valid). */
+/* The time of a change to something last changed at prev: the wall clock, or prev when
+ * the clock is behind it (set back by NTP, a resumed VM, a host without a real-time
+ * clock), so that a message's and a conversation's updated never go back: a later
+ * version is never older than an earlier one. */
+static int64_t change_ms(const struct convo_env *env, int64_t prev)
+{
+	return env->now_ms > prev ? env->now_ms : prev;
+}
+
 static unsigned b32_value(char ch)
 {
 	static const char alphabet[] = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
@@ -447,7 +456,7 @@ enum error_code convo_add(struct convo *c, const struct convo_env *env, enum rol
 			return rc;
 		last = c->log[c->nlog - 1];
 		last->version++;
-		last->updated_ms = env->now_ms;
+		last->updated_ms = change_ms(env, last->updated_ms);
 		mark_changed(c, c->nlog - 1);
 		m = last;
 	} else {
@@ -486,7 +495,7 @@ enum error_code convo_add(struct convo *c, const struct convo_env *env, enum rol
 		mark_changed(c, c->nlog - 1);
 	}
 	c->text_bytes += bytes;
-	c->updated_ms = env->now_ms;
+	c->updated_ms = change_ms(env, c->updated_ms);
 	if (out)
 		*out = m;
 	if (merged)
@@ -792,7 +801,7 @@ enum error_code convo_add_summary(struct convo *c, const struct convo_env *env,
 	c->last_summary = (long)p;
 	c->first_llm = p + 1;
 	c->text_bytes += bytes;
-	c->updated_ms = env->now_ms;
+	c->updated_ms = change_ms(env, c->updated_ms);
 	mark_changed(c, p);
 	if (out)
 		*out = s;
@@ -827,8 +836,8 @@ enum error_code convo_set_metadata(struct convo *c, const struct convo_env *env,
 		return rc;
 	m = c->log[i];
 	m->version++;
-	m->updated_ms = env->now_ms;
-	c->updated_ms = env->now_ms;
+	m->updated_ms = change_ms(env, m->updated_ms);
+	c->updated_ms = change_ms(env, c->updated_ms);
 	mark_changed(c, i);
 	return ERR_OK;
 }

@@ -5,7 +5,8 @@
   within it, and one never closed, stay, across a restart too.
 - A wall clock set back (NTP, a resumed VM) does not hold a conversation's last message
   back from DynamoDB for as long as it went back: the idle period is also counted on the
-  monotonic clock.
+  monotonic clock. Nor does it take `updated` back, in DynamoDB or in `list`: a change
+  after the step keeps the time of the last change before it.
 - A daemon restarted with its clock a day behind the ids it wrote (a host without a
   real-time clock) still gives new messages ids above the conversation's, so the log keeps
   its order when it is read back from the store.
@@ -142,14 +143,23 @@ def test_clock_set_back_does_not_hold_the_last_message(tmp_path, dynalite, ddb_t
                idle / 1000 + 10 * TIMEOUT_SCALE, "the last message after the idle period",
                interval=0.01)
     assert time.monotonic() - t_a1 >= idle / 1000 - 0.01
-    # A merge after the step (updated_ms now a day before the message's first version):
+    first = int(ddb.get_item(dynalite, ddb_table, conv, a1)["updated"]["N"])
+    listed = [x["updated"] for x in c.ok({"op": "list"})["conversations"]
+              if x["conversation"] == conv]
+    # A merge after the step, a day before the message's first version by the clock:
     # written again after the idle period too.
-    c.ok({"op": "add_assistant", "conversation": conv, "contents": "three"})
+    three = c.ok({"op": "add_assistant", "conversation": conv, "contents": "three"})
+    assert three["merged"]
+    # (the clock did go back: a new message elsewhere is created a day before)
+    assert creation_ms(add(c, "clock-back-other", "elsewhere")) < first - DAY_MS + 60000
     wait_until(lambda: ddb.get_item(dynalite, ddb_table, conv, a1)["version"] == {"N": "2"},
                idle / 1000 + 10 * TIMEOUT_SCALE, "the merged last message")
-    # Each item is the daemon's message at its version. (`updated` is the wall clock of
-    # the last change: after the step it is a day before the message's creation, as the
-    # clock said; convod does not hide the step.)
+    # `updated` (the time of the last change) does not go back with the clock: version 2
+    # keeps version 1's time, and so does the conversation.
+    assert int(ddb.get_item(dynalite, ddb_table, conv, a1)["updated"]["N"]) == first
+    assert [x["updated"] for x in c.ok({"op": "list"})["conversations"]
+            if x["conversation"] == conv] == listed == [first]
+    # Each item is the daemon's message at its version.
     for m, version in zip(full_log(c, conv), [1, 2]):
         item = ddb.get_item(dynalite, ddb_table, conv, m["id"])
         assert int(item.pop("updated")["N"]) > 0

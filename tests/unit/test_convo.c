@@ -482,6 +482,51 @@ static void take_cb(void *arg, const struct message *m, size_t index)
 }
 
 /* Appends never rescan: every take starts at most one message before the end. */
+/* A wall clock set back (NTP, a resumed VM) does not take updated back: a merge, new
+ * metadata and a summary after the step keep the time of the change before it, and the
+ * clock counts again once it is past that. Creation times and ids follow their own rules. */
+static void test_clock_set_back(void)
+{
+	struct convo_env env;
+	struct convo *c = convo_new("c", 1);
+	struct message *m, *u;
+	struct error e;
+	struct metadata_patch p;
+	bool merged;
+
+	env_init(&env, T0);
+	u = add1(c, &env, ROLE_USER, "u0");
+	env.now_ms = T0 + 1000;
+	CHECK(addv(c, &env, ROLE_USER, NULL, &m, &merged, &e, "u0 more", (char *)0) == ERR_OK);
+	CHECK(merged && m == u && u->version == 2 && u->updated_ms == T0 + 1000);
+	CHECK(c->updated_ms == T0 + 1000);
+
+	env.now_ms = T0 - 86400000; /* a day back */
+	CHECK(addv(c, &env, ROLE_USER, NULL, &m, &merged, &e, "and more", (char *)0) == ERR_OK);
+	CHECK(merged && u->version == 3 && u->updated_ms == T0 + 1000);
+	CHECK(c->updated_ms == T0 + 1000);
+	/* a new message: created by the clock, the conversation's updated kept */
+	m = add1(c, &env, ROLE_ASSISTANT, "a1");
+	CHECK(m && m->updated_ms == T0 - 86400000 && c->updated_ms == T0 + 1000);
+	CHECK(message_timing(m, TIMING_CREATION) == T0 - 86400000);
+	json_t *aux = parse("{\"stopped\":true}");
+	CHECK(message_patch_parse(NULL, aux, "", &p, &e) == ERR_OK);
+	CHECK(convo_set_metadata(c, &env, 0, &p, &e) == ERR_OK);
+	json_decref(aux);
+	CHECK(u->version == 4 && u->updated_ms == T0 + 1000 && c->updated_ms == T0 + 1000);
+	const char *ids[] = {u->id, c->log[1]->id};
+	int64_t versions[] = {4, 1};
+	CHECK(summarize(c, &env, "s", ids, 2, versions, 2, &m, &e) == ERR_OK);
+	CHECK(c->updated_ms == T0 + 1000);
+	CHECK_INVARIANTS(c);
+
+	/* past the last change again: the clock's own time */
+	env.now_ms = T0 + 2000;
+	m = add1(c, &env, ROLE_USER, "u3");
+	CHECK(m && c->updated_ms == T0 + 2000);
+	convo_free(c);
+}
+
 static void test_take_cost(void)
 {
 	struct convo_env env;
@@ -1190,6 +1235,7 @@ int main(void)
 	test_worked_example();
 	test_fake_after_summary_and_merge_at_zero();
 	test_incremental_versions();
+	test_clock_set_back();
 	test_take_cost();
 	test_add_summary_errors();
 	test_limits();
