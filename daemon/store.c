@@ -25,6 +25,7 @@
 #include "log.h"
 #include "monoclock.h"
 #include "msgrec.h"
+#include "ops.h"
 #include "pagecache.h"
 #include "siphash.h"
 #include "walvfs.h"
@@ -1621,7 +1622,7 @@ static int put_bytes(struct buf *b, const char *p, size_t n)
 	return n ? buf_append(b, p, n) : 0;
 }
 
-struct op {
+struct store_op {
 	enum op_kind kind;
 	const char *conv, *sk, *item, *error;
 	size_t conv_len, sk_len, item_len, error_len;
@@ -1630,7 +1631,7 @@ struct op {
 };
 
 /* Appends op to the open transaction's ops. */
-static int op_record(struct store *s, const struct op *o)
+static int op_record(struct store *s, const struct store_op *o)
 {
 	struct buf *b = &s->ops;
 	size_t mark = b->len;
@@ -1682,7 +1683,7 @@ static const char *get_bytes(const char **p, size_t *n)
 }
 
 /* The next op of an ops buffer (written by op_record: well formed). */
-static const char *op_read(const char *p, struct op *o)
+static const char *op_read(const char *p, struct store_op *o)
 {
 	o->kind = (enum op_kind)(unsigned char)*p++;
 	o->conv = get_bytes(&p, &o->conv_len);
@@ -1696,7 +1697,7 @@ static const char *op_read(const char *p, struct op *o)
 }
 
 /* Binds conversation (?1) and sk (?2) of op o. */
-static int bind_op_key(struct store *s, sqlite3_stmt *st, const struct op *o)
+static int bind_op_key(struct store *s, sqlite3_stmt *st, const struct store_op *o)
 {
 	int rc;
 	if ((rc = bind_conv(st, 1, o->conv, o->conv_len)) != SQLITE_OK ||
@@ -1707,7 +1708,7 @@ static int bind_op_key(struct store *s, sqlite3_stmt *st, const struct op *o)
 }
 
 /* Deletes the spool row of (conv, sk) if its version is at most version. */
-static int spool_delete(struct store *s, const struct op *o)
+static int spool_delete(struct store *s, const struct store_op *o)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_DELETE];
 	int rc;
@@ -1719,7 +1720,7 @@ static int spool_delete(struct store *s, const struct op *o)
 }
 
 /* Runs one op inside the writer's transaction. */
-static int op_apply(struct store *s, const struct op *o)
+static int op_apply(struct store *s, const struct store_op *o)
 {
 	sqlite3_stmt *st;
 	int rc;
@@ -1815,7 +1816,7 @@ static int write_jobs(struct store *s, struct job *jobs)
 		recs += j->nrecs;
 		nbatches += j->recs_len ? 1 : 0;
 		while (p && p < end && !rc) {
-			struct op o;
+			struct store_op o;
 			p = op_read(p, &o);
 			rc = op_apply(s, &o);
 		}
@@ -2650,7 +2651,7 @@ out:
 }
 
 /* Records op o in the open transaction. */
-static int write_op(struct store *s, const struct op *o)
+static int write_op(struct store *s, const struct store_op *o)
 {
 	int rc = write_check(s);
 	if (rc)
@@ -2662,7 +2663,7 @@ static int write_op(struct store *s, const struct op *o)
 
 int store_put_conversation(struct store *s, const struct convo *c)
 {
-	struct op o = {OPK_PUT_CONVERSATION, NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, 0, 0};
+	struct store_op o = {OPK_PUT_CONVERSATION, NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, 0, 0};
 	if (!c || !c->id)
 		return write_check(s) ? write_check(s) : -EINVAL;
 	o.conv = c->id;
@@ -2673,7 +2674,7 @@ int store_put_conversation(struct store *s, const struct convo *c)
 
 int store_set_closed(struct store *s, const char *conv, size_t conv_len, int64_t closed_ms)
 {
-	struct op o = {OPK_SET_CLOSED, conv, NULL, NULL, NULL, conv_len, 0, 0, 0, 0, 0, 0};
+	struct store_op o = {OPK_SET_CLOSED, conv, NULL, NULL, NULL, conv_len, 0, 0, 0, 0, 0, 0};
 	o.when = closed_ms < 1 ? 1 : closed_ms;
 	return write_op(s, &o);
 }
@@ -2681,7 +2682,8 @@ int store_set_closed(struct store *s, const char *conv, size_t conv_len, int64_t
 int store_spool_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
                     uint32_t version, size_t map_bytes, int64_t now_ms)
 {
-	struct op o = {OPK_SPOOL_PUT, conv, sk, NULL, NULL, conv_len, 0, 0, 0, version, 0, now_ms};
+	struct store_op o = {OPK_SPOOL_PUT, conv, sk,    NULL, NULL, conv_len, 0, 0, 0,
+	                     version,       0,    now_ms};
 	if (!sk)
 		return write_check(s) ? write_check(s) : -EINVAL;
 	o.sk_len = strlen(sk);
@@ -2693,7 +2695,8 @@ int store_spool_put(struct store *s, const char *conv, size_t conv_len, const ch
 int store_spool_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
                      uint32_t version)
 {
-	struct op o = {OPK_SPOOL_DONE, conv, sk, NULL, NULL, conv_len, 0, 0, 0, version, 0, 0};
+	struct store_op o = {OPK_SPOOL_DONE, conv, sk, NULL, NULL, conv_len, 0, 0, 0,
+	                     version,        0,    0};
 	if (!sk)
 		return write_check(s) ? write_check(s) : -EINVAL;
 	o.sk_len = strlen(sk);
@@ -2704,8 +2707,9 @@ int store_spool_done(struct store *s, const char *conv, size_t conv_len, const c
 int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const char *sk,
                       uint32_t version, const char *item_json, const char *error, int64_t now_ms)
 {
-	struct op o = {OPK_DEAD_LETTER, conv, sk, item_json, error ? error : "",
-	               conv_len, 0, 0, 0, version, 0, now_ms};
+	struct store_op o = {
+	    OPK_DEAD_LETTER, conv, sk,    item_json, error ? error : "", conv_len, 0, 0, 0,
+	    version,         0,    now_ms};
 	if (!sk)
 		return write_check(s) ? write_check(s) : -EINVAL;
 	o.sk_len = strlen(sk);
@@ -2775,8 +2779,11 @@ static int record_decode(struct store *s, const char *conv, size_t conv_len,
 			goto out;
 		}
 	} else {
-		if (!(map = json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je))) {
-			rc = json_error_code(&je) == json_error_out_of_memory
+		/* ops_json_loadb: jansson out of memory may drop a byte of a string and still
+		 * return a document. */
+		bool no_memory = false;
+		if (!(map = ops_json_loadb(r->map, r->map_len, JSON_ALLOW_NUL, &je, &no_memory))) {
+			rc = no_memory || json_error_code(&je) == json_error_out_of_memory
 			         ? -ENOMEM
 			         : bad_row(s, conv, conv_len, r->sk, r->sk_len, je.text);
 			goto out;

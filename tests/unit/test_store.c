@@ -6,6 +6,7 @@
 
 #include "ddbitem.h"
 #include "msgrec.h"
+#include "store_legacy.h"
 #include "test.h"
 
 #include <errno.h>
@@ -1237,74 +1238,6 @@ static void test_journal(void)
 	}
 	convo_free(big);
 	convo_free(c);
-}
-
-/* Rewrites the rows of table (segments or batches) of the store in dir as convod wrote
- * them before schema 4: each packed record as a record of its JSON map, the batches in one
- * table (schema 5 added batches1). Returns the records rewritten, -1 on failure. */
-static long unpack_rows(const char *dir, const char *table)
-{
-	char path[160], q[96];
-	sqlite3 *db = NULL;
-	sqlite3_stmt *rd = NULL, *wr = NULL;
-	struct buf out = {NULL, 0, 0}, map = {NULL, 0, 0};
-	long n = 0;
-
-	snprintf(path, sizeof(path), "%s/convod.db", dir);
-	if (sqlite3_open(path, &db) != SQLITE_OK)
-		goto fail;
-	if (sqlite3_exec(db, "SELECT 1 FROM batches1 LIMIT 0", NULL, NULL, NULL) == SQLITE_OK &&
-	    sqlite3_exec(db, "INSERT INTO batches SELECT * FROM batches1; DROP TABLE batches1",
-	                 NULL, NULL, NULL) != SQLITE_OK)
-		goto fail;
-	snprintf(q, sizeof(q), "SELECT seq, data FROM %s", table);
-	if (sqlite3_prepare_v2(db, q, -1, &rd, NULL) != SQLITE_OK)
-		goto fail;
-	snprintf(q, sizeof(q), "UPDATE %s SET data = ? WHERE seq = ?", table);
-	if (sqlite3_prepare_v2(db, q, -1, &wr, NULL) != SQLITE_OK)
-		goto fail;
-	while (sqlite3_step(rd) == SQLITE_ROW) {
-		const char *data = sqlite3_column_blob(rd, 1);
-		size_t len = (size_t)sqlite3_column_bytes(rd, 1), pos = 0;
-		struct msgrec r;
-		out.len = 0;
-		while (msgrec_next(data, len, &pos, &r) == 1) {
-			struct message *m = NULL;
-			struct error e;
-			if (!r.packed ||
-			    message_unpack(r.map, r.map_len, r.sk + r.sk_len - ULID_LEN, r.version, &m,
-			                   &e) != ERR_OK)
-				goto fail;
-			map.len = 0;
-			int rc = message_write_map(&map, m);
-			message_free(m);
-			r.map = map.data;
-			r.map_len = map.len;
-			r.packed = false;
-			if (rc < 0 || msgrec_append(&out, &r) < 0)
-				goto fail;
-			n++;
-		}
-		if (pos != len)
-			goto fail;
-		sqlite3_bind_blob(wr, 1, out.data, (int)out.len, SQLITE_STATIC);
-		sqlite3_bind_int64(wr, 2, sqlite3_column_int64(rd, 0));
-		if (sqlite3_step(wr) != SQLITE_DONE)
-			goto fail;
-		sqlite3_reset(wr);
-	}
-	if (sqlite3_exec(db, "PRAGMA user_version=3", NULL, NULL, NULL) != SQLITE_OK)
-		goto fail;
-	goto done;
-fail:
-	n = -1;
-done:
-	sqlite3_finalize(rd);
-	sqlite3_finalize(wr);
-	sqlite3_close(db);
-	buf_free(&out);
-	buf_free(&map);
-	return n;
 }
 
 /* Schema 3 files (records of JSON maps, in segments and in batches a crash left) are
