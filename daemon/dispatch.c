@@ -480,6 +480,9 @@ static void commit_failed(struct dispatch *d, int rc)
 	d->store_failing = true;
 	d->failures++;
 	d->tx_error = 0;
+	/* Confirmations or dead letters the sink recorded in it are lost with it: their spool
+	 * rows stay, and the sink reads them again once commits succeed (sink_resync). */
+	sink_lost(d->sink);
 	store_rollback(d->store);
 	store_progress(d->store, &p);
 	revert_to_store(d, p.committed);
@@ -659,9 +662,13 @@ bool dispatch_progress(struct dispatch *d)
 			d->spooled[k++] = *e;
 			continue;
 		}
-		if (sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version, e->at_ms) < 0)
+		/* Not taken (the sink is closing, or closed): sent by the next start. */
+		if (d->sink && sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version,
+		                            e->at_ms) == -ENOMEM) {
 			log_msg(LOG_ERROR, "sink",
 			        "out of memory queueing a write; it stays in the spool");
+			sink_lost(d->sink);
+		}
 		free(e->conv);
 	}
 	d->nspooled = k;
@@ -682,8 +689,10 @@ bool dispatch_progress(struct dispatch *d)
 		free(e->conv);
 	}
 	d->nclosing = k;
-	if (d->sink)
+	if (d->sink) {
+		sink_resync(d->sink); /* a commit succeeded: what the sink lost is read again */
 		sink_kick(d->sink);
+	}
 	return true;
 }
 
@@ -741,6 +750,10 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 		persist_marks(d, c);
 	}
 	dispatch_commit(d, true);
+	/* A quiet daemon commits nothing: what the sink lost is read again here, while no
+	 * commit fails. */
+	if (!d->store_failing)
+		sink_resync(d->sink);
 	/* Nothing committed for a whole tick: let the store fold what it holds in memory and
 	 * give the memory back (once per quiet spell). */
 	quiet = d->submitted == d->submitted_at_tick && d->store && !store_in_transaction(d->store);

@@ -111,6 +111,7 @@ static void on_sink_closed(void *arg)
 {
 	struct daemon *d = arg;
 	d->sink = NULL;
+	d->dispatch.sink = NULL; /* a commit still under way reports to no sink */
 	notify_close();
 	uv_close((uv_handle_t *)&d->sigint, NULL);
 	uv_close((uv_handle_t *)&d->sigterm, NULL);

@@ -29,6 +29,7 @@
 #define BATCH_MAX_POPS 1024      /* ready entries one batch_send looks at, at most */
 #define STATS_RESCAN_MIN_MS 1000 /* spool bytes are rescanned at most this often... */
 #define STATS_RESCAN_FACTOR 50   /* ...and at most 1/50 of the time */
+/* sink_resync reads the spool at most as often as the statistics rescan it. */
 
 /* A chained hash table of nodes embedded first in their owners. */
 struct hnode {
@@ -135,6 +136,10 @@ struct sink {
 	size_t nlat, lat_pos;
 	uint64_t spool_bytes, spool_bytes_at, spool_scan_ms;
 	bool spool_bytes_valid;
+	/* Rows the sink may have lost (sink_lost): sink_resync reads the spool again. */
+	bool lost;
+	uint64_t resync_at, resync_ms; /* loop time of the last read, and its length */
+	uint64_t resyncs, resynced;    /* reads done, rows enqueued by them that were missing */
 
 	struct job *jobs;
 
@@ -475,11 +480,13 @@ static void entry_confirmed(struct sink *s, struct entry *e, uint32_t version)
 	int rc = store_write_begin(s);
 
 	if (rc == 0 &&
-	    (rc = store_spool_done(s->store, e->conv->id, e->conv->len, e->sk, version)) < 0)
+	    (rc = store_spool_done(s->store, e->conv->id, e->conv->len, e->sk, version)) < 0) {
 		log_msg(LOG_ERROR, SUBSYS,
-		        "recording a confirmed write failed (%s); it will be sent again after a "
-		        "restart",
+		        "recording a confirmed write failed (%s); it will be sent again once the "
+		        "store can be written",
 		        strerror(-rc));
+		s->lost = true;
+	}
 	s->confirmed++;
 	e->sending = 0;
 	e->attempts = 0;
@@ -502,6 +509,8 @@ static void entry_dead_letter(struct sink *s, struct entry *e, uint32_t version,
 	if (rc == 0)
 		rc = store_dead_letter(s->store, e->conv->id, e->conv->len, e->sk, version, text,
 		                       error, wall_ms());
+	if (rc < 0)
+		s->lost = true; /* the spool row stays: tried again after sink_resync */
 	free(text);
 	s->dead_lettered++;
 	set_last_error(s, "dead letter: %s", error);
@@ -1043,6 +1052,61 @@ void sink_kick(struct sink *s)
 {
 	if (s)
 		pump(s);
+}
+
+void sink_lost(struct sink *s)
+{
+	if (s && s->table)
+		s->lost = true;
+}
+
+static int resync_row(void *arg, const char *conv, size_t conv_len, const char *sk,
+                      uint32_t version, int64_t enqueued_ms)
+{
+	struct sink *s = arg;
+	size_t depth = s->depth;
+	int rc = sink_enqueue(s, conv, conv_len, sk, version, enqueued_ms);
+
+	if (rc == -EINVAL)
+		return 0; /* a row no start would take either */
+	if (rc == 0 && s->depth > depth)
+		s->resynced++;
+	return rc;
+}
+
+int sink_resync(struct sink *s)
+{
+	uint64_t now, t0, before;
+	int rc;
+
+	if (!s || !s->lost || !s->table || s->closing)
+		return 0;
+	now = uv_now(s->loop);
+	if (s->resyncs &&
+	    now - s->resync_at < (s->resync_ms * STATS_RESCAN_FACTOR > STATS_RESCAN_MIN_MS
+	                              ? s->resync_ms * STATS_RESCAN_FACTOR
+	                              : STATS_RESCAN_MIN_MS))
+		return 1;
+	t0 = uv_hrtime();
+	before = s->resynced;
+	s->lost = false;
+	rc = store_spool_each(s->store, resync_row, s);
+	s->resyncs++;
+	s->resync_at = now;
+	s->resync_ms = (uv_hrtime() - t0) / 1000000u;
+	if (rc < 0) {
+		s->lost = true;
+		log_msg(LOG_ERROR, SUBSYS, "reading the spool again failed (%s); tried again later",
+		        strerror(-rc));
+		return rc;
+	}
+	/* Worth a warning when it found rows the sink had let go of. */
+	log_msg(s->resynced > before ? LOG_WARN : LOG_INFO, SUBSYS,
+	        "read the spool again after a lost recording: %" PRIu64 " rows sent again (%" PRIu64
+	        " ms)",
+	        s->resynced - before, s->resync_ms);
+	pump(s);
+	return 0;
 }
 
 int sink_reconfigure(struct sink *s, const struct sink_config *cfg)

@@ -76,6 +76,19 @@ int sink_enqueue(struct sink *s, const char *conv, size_t conv_len, const char *
 /* Starts sending what is ready (called after each store commit). Accepts NULL. */
 void sink_kick(struct sink *s);
 
+/* Spool rows the sink may no longer hold: what it recorded in a commit that failed (a
+ * confirmation, a dead letter: the spool row stays), or a row the caller could not enqueue.
+ * The sink also notes its own failed recordings. sink_resync then reads the spool again.
+ * Accepts NULL. */
+void sink_lost(struct sink *s);
+/* Call when the store can be written (after a commit that succeeded, or while no commit
+ * fails): if the sink lost rows, reads the spool again and enqueues every row (idempotent:
+ * rows it holds keep their state; those it lost are sent again, which DynamoDB takes as the
+ * same write). The read scans the whole spool on the loop, so it runs at most once a second
+ * and at most 1/50 of the time. 0 (nothing lost, or read again), 1 (lost, read later: call
+ * again), -errno of the read (tried again at a later call). Accepts NULL. */
+int sink_resync(struct sink *s);
+
 /* Entries of that conversation not yet confirmed or dead-lettered (0 for a local sink). */
 size_t sink_pending(const struct sink *s, const char *conv, size_t conv_len);
 /* Spool entries in memory at or over spool_max_items: mutating requests get unavailable.

@@ -30,7 +30,8 @@
  * too), it takes --fail-at N: from the first sink_kick until the sink is empty and the
  * --query reads are done, the Nth allocation of the loop's thread is refused (0: none,
  * only counted). The sink must still confirm every write (no dead letter, no spool row
- * left), a query that failed for it is read again with nothing refused, and at the end
+ * left: a confirmation whose recording was refused is sent again after sink_resync), a
+ * query that failed for it is read again with nothing refused, and at the end
  * every allocation is freed. It prints "sink_alloc_probe: A allocations, refused R" on
  * stderr (R is 0 or 1). */
 #include <errno.h>
@@ -136,6 +137,7 @@ struct probe {
 	double cpu0, cpu_end; /* CPU seconds of this process at t0 and t_end */
 	int table_status;
 	bool table_done, finished, closed, failed, timed_out, queries_started;
+	bool resync_pending; /* the sink lost rows and has not read the spool again yet */
 };
 
 /* The size of m's map, as the daemon gives it to store_spool_put. */
@@ -177,19 +179,33 @@ static int64_t confirmed_now(struct probe *p)
 	return n;
 }
 
+/* Commits the open transaction, and tells the sink how that went, as the daemon does:
+ * after a failed commit what it recorded there is lost (sink_lost), after one that
+ * succeeded (or nothing to commit) it reads the spool again if it lost something. */
 static void commit(struct probe *p)
 {
 	int rc;
 	if (store_in_transaction(p->store) && (rc = store_commit(p->store)) < 0) {
 #ifdef SINK_PROBE_ALLOC_FAIL
 		if (alloc_fail.failed) {
-			/* What the sink recorded is lost: its rows stay for the next start. */
+			/* What the sink recorded is lost: its rows stay, read again below at the
+			 * next turn. */
 			fprintf(stderr, "sink_probe: commit refused: %s\n", strerror(-rc));
+			sink_lost(p->sink);
+			p->resync_pending = true;
 			return;
 		}
 #endif
 		die("store_commit", rc);
 	}
+	rc = sink_resync(p->sink);
+	p->resync_pending = rc != 0;
+#ifdef SINK_PROBE_ALLOC_FAIL
+	if (rc < 0 && alloc_fail.failed)
+		return; /* refused: tried again at a later turn */
+#endif
+	if (rc < 0)
+		die("sink_resync", rc);
 }
 
 static void begin(struct probe *p)
@@ -379,6 +395,7 @@ static void on_closed(void *arg)
 {
 	struct probe *p = arg;
 	p->closed = true;
+	p->sink = NULL; /* freed: the last commit has no sink to tell */
 	uv_close((uv_handle_t *)&p->turn, NULL);
 	uv_close((uv_handle_t *)&p->progress, NULL);
 	uv_close((uv_handle_t *)&p->deadline, NULL);
@@ -495,7 +512,8 @@ static void on_turn(uv_check_t *h)
 	sink_kick(p->sink);
 	if (p->finished)
 		return;
-	if (p->queries_left || p->rounds_done < p->o.updates || sink_depth(p->sink) > 0)
+	if (p->queries_left || p->rounds_done < p->o.updates || sink_depth(p->sink) > 0 ||
+	    p->resync_pending)
 		return;
 	if (p->o.query && p->o.conversations) {
 		if (!p->t_end) {

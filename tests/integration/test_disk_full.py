@@ -5,10 +5,15 @@ space returns (persistence.md: acknowledged means stored; nothing half written).
 Needs root to mount a small tmpfs for the state directory; skipped otherwise."""
 import json
 import os
+import sqlite3
 import subprocess
 import tempfile
+import time
 
 import pytest
+
+import ddb
+from test_persistence import ddb_env, wait_until
 
 
 @pytest.fixture
@@ -236,3 +241,73 @@ def test_disk_full_mid_turn_answers_match_the_store(daemon_factory, small_fs):
     assert d.stop() == 0, d.log()
     d.start()
     check(d.connect())
+
+
+def spool_rows(state):
+    """The spool rows of the local store (read-only): what DynamoDB has not confirmed, as
+    far as the store knows (the `spool` of stats counts the sink's entries in memory)."""
+    db = sqlite3.connect("file:%s?mode=ro" % os.path.join(state, "convod.db"), uri=True)
+    try:
+        return db.execute("SELECT count(*) FROM spool").fetchone()[0]
+    finally:
+        db.close()
+
+
+def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, faultproxy,
+                                                     dynalite, ddb_table):
+    """DynamoDB confirms writes while the disk is full: the commit that records the
+    confirmations fails, so their spool rows stay, though the sink has let go of them. Once
+    commits succeed again the sink reads the spool again and sends them again: the spool
+    empties without a restart (it used to keep them until the next start), and the table
+    holds each message once, at its version."""
+    state = os.path.join(small_fs, "state")
+    # No flusher ticks: only the flush request sends, so that the one call held is all.
+    d = daemon_factory(["--state-dir", state, "--dynamodb-table", ddb_table,
+                        "--flush-interval", "600000", "--retry-base-ms", "20",
+                        "--retry-max-ms", "300"], env=ddb_env(faultproxy.url))
+    c = d.connect()
+    conv = "lost-confirmations"
+    c.ok({"op": "add_user", "conversation": "slack", "contents": "known"})  # no Query later
+    # The first write is held 4 s at the proxy, then done and answered.
+    faultproxy.push("slow", n=1, op="BatchWriteItem", ms=4000)
+    ids = [c.ok({"op": op, "conversation": conv, "contents": "m%d" % i})["message"]["id"]
+           for i, op in enumerate(["add_user", "add_assistant", "add_user", "add_assistant"])]
+    c.ok({"op": "flush", "conversation": conv})
+    wait_until(lambda: faultproxy.count("slow") == 1, 5, "the held call")
+    forwarded = faultproxy.count("forwarded")
+    assert spool_rows(state) == len(ids)
+    # A reader's snapshot keeps the WAL from starting over, so every commit must grow it;
+    # with the disk full, every commit fails once the WAL's unused tail is used up (small
+    # adds until they fail), the one recording the confirmations too.
+    reader = sqlite3.connect("file:%s?mode=ro" % os.path.join(state, "convod.db"), uri=True,
+                             isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM spool").fetchone()
+    filler = fill(small_fs)
+    failed = 0
+    for i in range(2000):
+        r = c.request({"op": "add_user", "conversation": "slack", "contents": "s%d" % i})
+        failed = 0 if r["ok"] else failed + 1
+        if failed == 3:
+            break
+    assert failed == 3, "the disk never filled"
+    assert faultproxy.count("forwarded") == forwarded, (i, faultproxy.log)
+    wait_until(lambda: faultproxy.count("forwarded") == forwarded + 1, 10,
+               "the held call's answer")
+    wait_until(lambda: c.ok({"op": "stats"})["sink"]["confirmed"] == len(ids), 5,
+               "the confirmations")
+    # Recorded in that turn's commit, which failed: DynamoDB has them, the store waits.
+    assert spool_rows(state) == len(ids)
+    reader.execute("COMMIT")
+    reader.close()
+    os.unlink(filler)
+    # Commits succeed again (this one), and the sink reads the spool again.
+    c.ok({"op": "add_user", "conversation": "after", "contents": "space again"})
+    wait_until(lambda: spool_rows(state) == 0, 10, "the spool rows to go, without a restart")
+    resyncs = [line for line in d.log().splitlines()
+               if "read the spool again after a lost recording" in line]
+    assert any(" %d rows sent again" % len(ids) in line for line in resyncs), d.log()
+    items = ddb.query_all(dynalite, ddb_table, conv)
+    assert [it["sk"]["S"] for it in items] == ids, items
+    assert all(it["version"] == {"N": "1"} for it in items), items
+    assert d.stop() == 0, d.log()
