@@ -291,7 +291,7 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
         if failed == 3:
             break
     assert failed == 3, "the disk never filled"
-    assert faultproxy.count("forwarded") == forwarded, (i, faultproxy.log)
+    assert faultproxy.count("forwarded") == forwarded, ("answered too soon", faultproxy.log)
     wait_until(lambda: faultproxy.count("forwarded") == forwarded + 1, 10,
                "the held call's answer")
     wait_until(lambda: c.ok({"op": "stats"})["sink"]["confirmed"] == len(ids), 5,
