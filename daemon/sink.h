@@ -102,7 +102,7 @@ size_t sink_depth(const struct sink *s);
  *     bytes from store_spool_stats, rescanned at most once a second (and at most 2% of the
  *     time when the scan is slow);
  *   sink {kind ("dynamodb" or "local"), writes_sent, confirmed, retried, failures,
- *     dead_lettered, unprocessed, last_error, latency_ms {p50, p99, p999} over the last
+ *     dead_lettered, unprocessed, resent, last_error, latency_ms {p50, p99, p999} over the last
  *     4096 calls (null before the first), inflight (BatchWriteItem calls)}; all 0/null for
  *     a local sink. New references, NULL on ENOMEM. */
 json_t *sink_stats_spool(struct sink *s);

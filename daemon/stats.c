@@ -69,10 +69,10 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_mono_ms)
 	     put(sink, "kind", json_string("none")) && put_int(sink, "writes_sent", 0) &&
 	     put_int(sink, "confirmed", 0) && put_int(sink, "retried", 0) &&
 	     put_int(sink, "dead_lettered", 0) && put_int(sink, "failures", 0) &&
-	     put_int(sink, "unprocessed", 0) && put_int(sink, "inflight", 0) &&
-	     put(sink, "last_error", json_null()) && put(lat, "p50", json_null()) &&
-	     put(lat, "p99", json_null()) && put(lat, "p999", json_null()) &&
-	     put(sink, "latency_ms", json_incref(lat)) &&
+	     put_int(sink, "unprocessed", 0) && put_int(sink, "resent", 0) &&
+	     put_int(sink, "inflight", 0) && put(sink, "last_error", json_null()) &&
+	     put(lat, "p50", json_null()) && put(lat, "p99", json_null()) &&
+	     put(lat, "p999", json_null()) && put(sink, "latency_ms", json_incref(lat)) &&
 	     put(res, "version", json_string(CONVOD_VERSION)) &&
 	     put_int(res, "uptime_ms", now_mono_ms - s->started_mono_ms) &&
 	     put(res, "connections", json_incref(conns)) &&
@@ -131,6 +131,7 @@ static bool prom_is_counter(const char *name)
 	    "convod_sink_failures",
 	    "convod_sink_dead_lettered",
 	    "convod_sink_unprocessed",
+	    "convod_sink_resent",
 	    "convod_store_commits",
 	    "convod_store_turns",
 	    "convod_store_inline_commits",

@@ -307,6 +307,7 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
     resyncs = [line for line in d.log().splitlines()
                if "read the spool again after a lost recording" in line]
     assert any(" %d rows sent again" % len(ids) in line for line in resyncs), d.log()
+    assert c.ok({"op": "stats"})["sink"]["resent"] == len(ids)
     items = ddb.query_all(dynalite, ddb_table, conv)
     assert [it["sk"]["S"] for it in items] == ids, items
     assert all(it["version"] == {"N": "1"} for it in items), items
