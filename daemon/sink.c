@@ -27,9 +27,10 @@
 #define QUERY_MAX_ITEMS (4u << 20) /* a restore collecting more gives up with -EFBIG */
 #define HT_MIN_BUCKETS 64
 #define BATCH_MAX_POPS 1024      /* ready entries one batch_send looks at, at most */
-#define STATS_RESCAN_MIN_MS 1000 /* spool bytes are rescanned at most this often... */
-#define STATS_RESCAN_FACTOR 50   /* ...and at most 1/50 of the time */
-/* sink_resync reads the spool at most as often as the statistics rescan it. */
+/* A scan of the whole spool on the loop (the statistics' bytes, sink_resync's read) runs at
+ * most this often... */
+#define STATS_RESCAN_MIN_MS 1000
+#define STATS_RESCAN_FACTOR 50 /* ...and at most 1/50 of the time (rescan_due) */
 
 /* A chained hash table of nodes embedded first in their owners. */
 struct hnode {
@@ -137,9 +138,9 @@ struct sink {
 	uint64_t spool_bytes, spool_bytes_at, spool_scan_ms;
 	bool spool_bytes_valid;
 	/* Rows the sink may have lost (sink_lost): sink_resync reads the spool again. */
-	bool lost;
+	bool lost, resync_ran;
 	uint64_t resync_at, resync_ms; /* loop time of the last read, and its length */
-	uint64_t resyncs, resynced;    /* reads done, rows enqueued by them that were missing */
+	uint64_t resynced;             /* rows those reads enqueued that the sink had lost */
 
 	struct job *jobs;
 
@@ -1060,6 +1061,14 @@ void sink_lost(struct sink *s)
 		s->lost = true;
 }
 
+/* Whether a scan of the spool that last ran at loop time at and took took_ms may run again
+ * at now (see STATS_RESCAN_MIN_MS). */
+static bool rescan_due(uint64_t now, uint64_t at, uint64_t took_ms)
+{
+	uint64_t gap = took_ms * STATS_RESCAN_FACTOR;
+	return now - at >= (gap > STATS_RESCAN_MIN_MS ? gap : STATS_RESCAN_MIN_MS);
+}
+
 static int resync_row(void *arg, const char *conv, size_t conv_len, const char *sk,
                       uint32_t version, int64_t enqueued_ms)
 {
@@ -1082,16 +1091,13 @@ int sink_resync(struct sink *s)
 	if (!s || !s->lost || !s->table || s->closing)
 		return 0;
 	now = uv_now(s->loop);
-	if (s->resyncs &&
-	    now - s->resync_at < (s->resync_ms * STATS_RESCAN_FACTOR > STATS_RESCAN_MIN_MS
-	                              ? s->resync_ms * STATS_RESCAN_FACTOR
-	                              : STATS_RESCAN_MIN_MS))
+	if (s->resync_ran && !rescan_due(now, s->resync_at, s->resync_ms))
 		return 1;
 	t0 = uv_hrtime();
 	before = s->resynced;
 	s->lost = false;
 	rc = store_spool_each(s->store, resync_row, s);
-	s->resyncs++;
+	s->resync_ran = true;
 	s->resync_at = now;
 	s->resync_ms = (uv_hrtime() - t0) / 1000000u;
 	if (rc < 0) {
@@ -1151,11 +1157,7 @@ json_t *sink_stats_spool(struct sink *s)
 		uint64_t now = uv_now(s->loop);
 		int64_t age;
 
-		if (!s->spool_bytes_valid ||
-		    now - s->spool_bytes_at >=
-		        (s->spool_scan_ms * STATS_RESCAN_FACTOR > STATS_RESCAN_MIN_MS
-		             ? s->spool_scan_ms * STATS_RESCAN_FACTOR
-		             : STATS_RESCAN_MIN_MS)) {
+		if (!s->spool_bytes_valid || rescan_due(now, s->spool_bytes_at, s->spool_scan_ms)) {
 			uint64_t t0 = uv_hrtime(), n = 0, b = 0;
 			int64_t first = 0;
 			if (store_spool_stats(s->store, &n, &b, &first) == 0) {

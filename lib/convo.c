@@ -145,7 +145,6 @@ static void mark_changed(struct convo *c, size_t i)
 	}
 }
 
-/* Value of a canonical Crockford character (ids here are already valid). */
 /* The time of a change to something last changed at prev: the wall clock, or prev when
  * the clock is behind it (set back by NTP, a resumed VM, a host without a real-time
  * clock), so that a message's and a conversation's updated never go back: a later
@@ -155,6 +154,7 @@ static int64_t change_ms(const struct convo_env *env, int64_t prev)
 	return env->now_ms > prev ? env->now_ms : prev;
 }
 
+/* Value of a canonical Crockford character (ids here are already valid). */
 static unsigned b32_value(char ch)
 {
 	static const char alphabet[] = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
