@@ -462,9 +462,6 @@ void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer
 	json_decref(e);
 }
 
-static int spool_one(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
-                     int64_t enqueued_ms);
-
 /* A commit failed (rc): put memory back as the store holds it, void what was taken after
  * it, and tell the server (d->failures). */
 static void commit_failed(struct dispatch *d, int rc)
@@ -789,10 +786,11 @@ static int restore_one(void *arg, struct convo *c)
 	return 0;
 }
 
-static int spool_one(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
-                     int64_t enqueued_ms)
+static int spool_one(void *arg, int64_t seq, const char *conv, size_t conv_len, const char *sk,
+                     uint32_t version, int64_t enqueued_ms)
 {
 	struct dispatch *d = arg;
+	(void)seq;
 	return sink_enqueue(d->sink, conv, conv_len, sk, version, enqueued_ms);
 }
 
@@ -852,7 +850,7 @@ int dispatch_restore(struct dispatch *d)
 	}
 	if (store_spool_stats(d->store, &items, &bytes, &oldest) == 0 && items) {
 		if (d->remote) {
-			rc = store_spool_each(d->store, spool_one, d);
+			rc = store_spool_each(d->store, 0, spool_one, d);
 			if (rc < 0) {
 				log_msg(LOG_ERROR, "store", "cannot read the spool: %s",
 				        strerror(-rc));
@@ -1895,9 +1893,10 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 				          "the local store cannot be written; retry later");
 				goto fail;
 			}
-			/* The rows are back in the spool: the sink may send them now. */
-			if (n && d->remote && store_spool_each(d->store, spool_one, d) < 0)
-				log_msg(LOG_ERROR, "store", "cannot read the spool back after a retry");
+			/* The rows are back in the spool (new ones, or a higher version of
+			 * rows it held): the sink reads it again, in slices, from now. */
+			if (n && d->remote)
+				sink_reread(d->sink);
 		}
 		answer_count(d, out, start, op, "retried", n);
 		json_decref(req);

@@ -31,6 +31,11 @@
  * most this often... */
 #define STATS_RESCAN_MIN_MS 1000
 #define STATS_RESCAN_FACTOR 50 /* ...and at most 1/50 of the time (rescan_due) */
+/* sink_resync reads the spool in slices of about this long on the loop (one per loop turn),
+ * so that a spool of a million rows (about a second to read) never holds the loop, or the
+ * store's writer, for longer. */
+#define RESYNC_SLICE_NS 2000000u
+#define RESYNC_CLOCK_ROWS 64 /* rows read between two looks at the clock */
 
 /* A chained hash table of nodes embedded first in their owners. */
 struct hnode {
@@ -137,15 +142,20 @@ struct sink {
 	size_t nlat, lat_pos;
 	uint64_t spool_bytes, spool_bytes_at, spool_scan_ms;
 	bool spool_bytes_valid;
-	/* Rows the sink may have lost (sink_lost): sink_resync reads the spool again. */
-	bool lost, resync_ran;
-	uint64_t resync_at, resync_ms; /* loop time of the last read, and its length */
-	uint64_t resynced;             /* rows those reads enqueued that the sink had lost */
+	/* Rows the sink may have lost (sink_lost): sink_resync reads the spool again, in
+	 * slices (resync_timer) from after resync_seq. resync_at is the loop time the last
+	 * read ended, resync_ms its time on the loop (the slices' sum, resync_ns meanwhile). */
+	bool lost, resync_ran, resyncing, resync_now, resync_asked;
+	uv_timer_t resync_timer;
+	int64_t resync_seq;
+	uint64_t resync_at, resync_ms, resync_ns, resync_slice_end, resync_from;
+	size_t resync_rows, resync_slices;
+	uint64_t resynced; /* rows those reads enqueued that the sink had lost */
 
 	struct job *jobs;
 
 	bool closing, finishing, client_closed;
-	unsigned handles; /* uv handles not closed yet (the two timers, every job's timer) */
+	unsigned handles; /* uv handles not closed yet (the three timers, every job's timer) */
 	void (*on_closed)(void *arg);
 	void *closed_arg;
 };
@@ -164,6 +174,7 @@ void sink_config_defaults(struct sink_config *cfg)
 }
 
 static void on_close_timer(uv_timer_t *t);
+static void on_resync_timer(uv_timer_t *t);
 static void maybe_freed(struct sink *s);
 
 /* --- small helpers ------------------------------------------------------------------- */
@@ -1069,7 +1080,7 @@ static bool rescan_due(uint64_t now, uint64_t at, uint64_t took_ms)
 	return now - at >= (gap > STATS_RESCAN_MIN_MS ? gap : STATS_RESCAN_MIN_MS);
 }
 
-static int resync_row(void *arg, const char *conv, size_t conv_len, const char *sk,
+static int resync_row(void *arg, int64_t seq, const char *conv, size_t conv_len, const char *sk,
                       uint32_t version, int64_t enqueued_ms)
 {
 	struct sink *s = arg;
@@ -1077,42 +1088,97 @@ static int resync_row(void *arg, const char *conv, size_t conv_len, const char *
 	int rc = sink_enqueue(s, conv, conv_len, sk, version, enqueued_ms);
 
 	if (rc == -EINVAL)
-		return 0; /* a row no start would take either */
-	if (rc == 0 && s->depth > depth)
+		rc = 0; /* a row no start would take either */
+	if (rc < 0)
+		return rc;
+	if (s->depth > depth)
 		s->resynced++;
-	return rc;
+	s->resync_seq = seq;
+	/* The slice ends once its time is up: the next one goes on after this row. */
+	if (++s->resync_rows % RESYNC_CLOCK_ROWS == 0 && uv_hrtime() >= s->resync_slice_end)
+		return 1;
+	return 0;
 }
 
-int sink_resync(struct sink *s)
+/* One slice of the read sink_resync started: the rows after resync_seq, for about
+ * RESYNC_SLICE_NS; then the next slice in the next loop turn, until the spool's end. */
+static void resync_slice(struct sink *s)
 {
-	uint64_t now, t0, before;
+	uint64_t t0 = uv_hrtime();
 	int rc;
 
-	if (!s || !s->lost || !s->table || s->closing)
-		return 0;
-	now = uv_now(s->loop);
-	if (s->resync_ran && !rescan_due(now, s->resync_at, s->resync_ms))
-		return 1;
-	t0 = uv_hrtime();
-	before = s->resynced;
-	s->lost = false;
-	rc = store_spool_each(s->store, resync_row, s);
+	s->resync_slice_end = t0 + RESYNC_SLICE_NS;
+	s->resync_slices++;
+	rc = store_spool_each(s->store, s->resync_seq, resync_row, s);
+	s->resync_ns += uv_hrtime() - t0;
+	if (rc > 0) {
+		uv_timer_start(&s->resync_timer, on_resync_timer, 0, 0);
+		pump(s); /* what this slice found goes out meanwhile */
+		return;
+	}
+	s->resyncing = false;
 	s->resync_ran = true;
-	s->resync_at = now;
-	s->resync_ms = (uv_hrtime() - t0) / 1000000u;
+	s->resync_at = uv_now(s->loop);
+	s->resync_ms = s->resync_ns / 1000000u;
 	if (rc < 0) {
 		s->lost = true;
 		log_msg(LOG_ERROR, SUBSYS, "reading the spool again failed (%s); tried again later",
 		        strerror(-rc));
-		return rc;
+		return;
 	}
 	/* Worth a warning when it found rows the sink had let go of. */
-	log_msg(s->resynced > before ? LOG_WARN : LOG_INFO, SUBSYS,
-	        "read the spool again after a lost recording: %" PRIu64 " rows sent again (%" PRIu64
-	        " ms)",
-	        s->resynced - before, s->resync_ms);
+	log_msg(s->resynced > s->resync_from ? LOG_WARN : LOG_INFO, SUBSYS,
+	        "read the spool again after %s: %" PRIu64 " rows sent again (%zu rows read in "
+	        "%zu slices, %" PRIu64 " ms on the loop)",
+	        s->resync_asked ? "rows were put back in it" : "a lost recording",
+	        s->resynced - s->resync_from, s->resync_rows, s->resync_slices, s->resync_ms);
 	pump(s);
-	return 0;
+	/* A read asked for meanwhile (sink_reread) starts now. */
+	if (s->lost && s->resync_now)
+		uv_timer_start(&s->resync_timer, on_resync_timer, 0, 0);
+}
+
+static void on_resync_timer(uv_timer_t *t)
+{
+	struct sink *s = t->data;
+
+	if (s->closing)
+		s->resyncing = false;
+	else if (s->resyncing)
+		resync_slice(s);
+	else
+		sink_resync(s);
+}
+
+int sink_resync(struct sink *s)
+{
+	if (!s || !s->table || s->closing)
+		return 0;
+	if (s->resyncing)
+		return 1; /* under way: the slices go on from the timer */
+	if (!s->lost)
+		return 0;
+	if (s->resync_ran && !s->resync_now &&
+	    !rescan_due(uv_now(s->loop), s->resync_at, s->resync_ms))
+		return 1;
+	/* Rows lost from now on may come before the read's place: lost again, for the next. */
+	s->resync_asked = s->resync_now;
+	s->lost = s->resync_now = false;
+	s->resyncing = true;
+	s->resync_seq = 0;
+	s->resync_ns = 0;
+	s->resync_rows = s->resync_slices = 0;
+	s->resync_from = s->resynced;
+	resync_slice(s);
+	return s->resyncing ? 1 : s->lost ? -EIO : 0;
+}
+
+void sink_reread(struct sink *s)
+{
+	if (s && s->table && !s->closing) {
+		s->lost = s->resync_now = true;
+		sink_resync(s);
+	}
 }
 
 int sink_reconfigure(struct sink *s, const struct sink_config *cfg)
@@ -1577,9 +1643,11 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 	}
 	uv_timer_init(loop, &s->timer);
 	uv_timer_init(loop, &s->close_timer);
+	uv_timer_init(loop, &s->resync_timer);
 	s->timer.data = s;
 	s->close_timer.data = s;
-	s->handles = 2;
+	s->resync_timer.data = s;
+	s->handles = 3;
 	*out = s;
 	return 0;
 fail:
@@ -1659,8 +1727,10 @@ static void on_close_timer(uv_timer_t *t)
 	s->client = NULL;
 	while (s->jobs)
 		job_end(s->jobs, -ECANCELED); /* those waiting on their timer */
+	s->resyncing = false;
 	uv_close((uv_handle_t *)&s->timer, on_handle_closed);
 	uv_close((uv_handle_t *)&s->close_timer, on_handle_closed);
+	uv_close((uv_handle_t *)&s->resync_timer, on_handle_closed);
 }
 
 void sink_close(struct sink *s, uint64_t deadline_ms, void (*on_closed)(void *arg), void *arg)

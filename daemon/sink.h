@@ -84,10 +84,16 @@ void sink_lost(struct sink *s);
 /* Call when the store can be written (after a commit that succeeded, or while no commit
  * fails): if the sink lost rows, reads the spool again and enqueues every row (idempotent:
  * rows it holds keep their state; those it lost are sent again, which DynamoDB takes as the
- * same write). The read scans the whole spool on the loop, so it runs at most once a second
- * and at most 1/50 of the time. 0 (nothing lost, or read again), 1 (lost, read later: call
- * again), -errno of the read (tried again at a later call). Accepts NULL. */
+ * same write). The read runs on the loop in slices of about 2 ms, one a loop turn, so that
+ * a large spool holds neither the loop nor the store's writer for long; a new read starts
+ * at most once a second and at most 1/50 of the time. 0 (nothing lost, or read again), 1
+ * (lost: under way, or read later), -EIO (the read failed: tried again at a later call).
+ * Accepts NULL. */
 int sink_resync(struct sink *s);
+/* Rows came back into the spool by other means (retry_dead_letters): the spool is read
+ * again as by sink_resync, starting now whatever the last read cost (after the one under
+ * way, if any). Accepts NULL. */
+void sink_reread(struct sink *s);
 
 /* Entries of that conversation not yet confirmed or dead-lettered (0 for a local sink). */
 size_t sink_pending(const struct sink *s, const char *conv, size_t conv_len);

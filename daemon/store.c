@@ -33,8 +33,9 @@
 #define STORE_FILE "convod.db"
 /* 2: the journal table; 3: batches and segments instead of the messages table; 4: packed
  * records (msgrec.h), about half the size (an older convod would take them for damage);
- * 5: a second table of batches, batches1 (see "Messages" below) */
-#define STORE_SCHEMA_VERSION 5
+ * 5: a second table of batches, batches1 (see "Messages" below); 6: an index of the dead
+ * letters by message, so that a load finds a message's dead-lettered version */
+#define STORE_SCHEMA_VERSION 6
 #define STORE_APPLICATION_ID 0x636e7664 /* "cnvd": tells our files from other SQLite files */
 #define STORE_BUSY_TIMEOUT_MS 100
 #define STORE_BUF_KEEP (1024 * 1024) /* larger buffers are freed after use */
@@ -166,8 +167,8 @@ static const char schema_sql[] =
     " error TEXT NOT NULL,"
     " at INTEGER NOT NULL"
     ");";
-/* The tables of schema 3 that schema 2 did not have, and of 5 that 4 did not have (created
- * by the upgrades too). */
+/* The tables of schema 3 that schema 2 did not have, of 5 that 4 did not have, and the index
+ * of 6 (created by the upgrades too). */
 static const char schema3_sql[] = "CREATE TABLE batches("
                                   " seq INTEGER PRIMARY KEY,"
                                   " data BLOB NOT NULL"
@@ -189,6 +190,8 @@ static const char schema5_sql[] = "CREATE TABLE batches1("
                                   " seq INTEGER PRIMARY KEY,"
                                   " data BLOB NOT NULL"
                                   ");";
+static const char schema6_sql[] = "CREATE INDEX IF NOT EXISTS dead_letters_by_message"
+                                  " ON dead_letters(conversation, sk, version);";
 
 enum stmt_id {
 	ST_BEGIN = 0,
@@ -211,6 +214,7 @@ enum stmt_id {
 	ST_SPOOL_VERSION,
 	ST_CONFIRM,
 	ST_CONFIRMED_VERSION,
+	ST_DEAD_VERSION,
 	ST_DEAD_INSERT,
 	ST_SPOOL_EACH,
 	ST_SPOOL_STATS,
@@ -256,9 +260,11 @@ static const char *const stmt_sql[ST_COUNT] = {
                    " ON CONFLICT(conversation, sk) DO UPDATE"
                    " SET version = max(version, excluded.version)",
     [ST_CONFIRMED_VERSION] = "SELECT version FROM confirmed WHERE conversation = ?1 AND sk = ?2",
+    [ST_DEAD_VERSION] = "SELECT max(version) FROM dead_letters WHERE conversation = ?1 AND sk = ?2",
     [ST_DEAD_INSERT] = "INSERT INTO dead_letters(conversation, sk, version, item, error, at)"
                        " VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
-    [ST_SPOOL_EACH] = "SELECT conversation, sk, version, enqueued FROM spool ORDER BY seq",
+    [ST_SPOOL_EACH] = "SELECT seq, conversation, sk, version, enqueued FROM spool"
+                      " WHERE seq > ?1 ORDER BY seq",
     [ST_SPOOL_STATS] = "SELECT count(*), coalesce(sum(map_bytes), 0),"
                        " coalesce(min(enqueued), 0) FROM spool",
     [ST_DEAD_LIST] = "SELECT conversation, sk, version, error, at FROM"
@@ -407,7 +413,7 @@ struct store {
 	/* The two tables of batches: whose batches each holds, and how many (the open
 	 * transaction's included); at the start of that transaction, txn_bt. */
 	struct batch_table bt[2], txn_bt[2];
-	bool sink_rows;      /* spool or confirmed rows may exist: loads look them up */
+	bool sink_rows; /* spool, confirmed or dead-letter rows may exist: loads look them up */
 	uint64_t hash_key[2];
 };
 
@@ -601,9 +607,9 @@ static int upgrade_messages(sqlite3 *db)
 	return rc;
 }
 
-/* Schema 1 (a messages table) or 2 (messages and a journal) to 3, 3 to 4 and 4 to 5, in
- * one transaction. 4 only adds the packed records, and reads those of 3; 5 only adds the
- * second table of batches. */
+/* Schema 1 (a messages table) or 2 (messages and a journal) to 3, 3 to 4, 4 to 5 and 5 to
+ * 6, in one transaction. 4 only adds the packed records, and reads those of 3; 5 only adds
+ * the second table of batches; 6 only the index of the dead letters. */
 static int upgrade(sqlite3 *db, int64_t from)
 {
 	char sql[64];
@@ -633,8 +639,10 @@ static int upgrade(sqlite3 *db, int64_t from)
 		    NULL, NULL, NULL);
 	if (rc == SQLITE_OK && from < 3)
 		rc = upgrade_messages(db);
-	if (rc == SQLITE_OK)
+	if (rc == SQLITE_OK && from < 5)
 		rc = sqlite3_exec(db, schema5_sql, NULL, NULL, NULL);
+	if (rc == SQLITE_OK)
+		rc = sqlite3_exec(db, schema6_sql, NULL, NULL, NULL);
 	snprintf(sql, sizeof(sql), "%sPRAGMA user_version=%d; COMMIT",
 	         from < 3 ? "DROP TABLE messages; " : "", STORE_SCHEMA_VERSION);
 	if (rc == SQLITE_OK)
@@ -719,6 +727,8 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 			rc = sqlite3_exec(db, schema3_sql, NULL, NULL, NULL);
 		if (rc == SQLITE_OK)
 			rc = sqlite3_exec(db, schema5_sql, NULL, NULL, NULL);
+		if (rc == SQLITE_OK)
+			rc = sqlite3_exec(db, schema6_sql, NULL, NULL, NULL);
 		if (rc == SQLITE_OK) {
 			char sql[128];
 			snprintf(sql, sizeof(sql),
@@ -2347,7 +2357,8 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
 	sqlite3_exec(s->db, "PRAGMA cache_size=-32768", NULL, NULL, NULL);
 	if (query_one(s->db,
-	              "SELECT EXISTS(SELECT 1 FROM spool) OR EXISTS(SELECT 1 FROM confirmed)",
+	              "SELECT EXISTS(SELECT 1 FROM spool) OR EXISTS(SELECT 1 FROM confirmed)"
+	              " OR EXISTS(SELECT 1 FROM dead_letters)",
 	              &rows, NULL, 0) != SQLITE_OK ||
 	    rows)
 		s->sink_rows = true;
@@ -2715,6 +2726,7 @@ int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const 
 	o.sk_len = strlen(sk);
 	o.item_len = item_json ? strlen(item_json) : 0;
 	o.error_len = strlen(o.error);
+	s->sink_rows = true;
 	return write_op(s, &o);
 }
 
@@ -2824,13 +2836,17 @@ static int record_message(struct store *s, const struct convo *c, const struct m
 		return rc;
 	m = *out;
 	m->seen[CONSUMER_STORE] = r->version;
-	/* Taken by the sink only when confirmed or spooled at this version: a version whose
-	 * spool row was never committed is taken again. */
+	/* Taken by the sink only when confirmed, spooled or dead-lettered at this version: a
+	 * version whose spool row was never committed is taken again, while a dead letter
+	 * waits for retry_dead_letters (DynamoDB would refuse it again). */
 	if (s->sink_rows) {
 		int64_t covered = key_version(s, ST_CONFIRMED_VERSION, c->id, c->id_len, r);
 		int64_t spooled = key_version(s, ST_SPOOL_VERSION, c->id, c->id_len, r);
+		int64_t dead = key_version(s, ST_DEAD_VERSION, c->id, c->id_len, r);
 		if (spooled > covered)
 			covered = spooled;
+		if (dead > covered)
+			covered = dead;
 		m->seen[CONSUMER_SINK] = covered >= r->version ? r->version : (uint32_t)covered;
 	}
 	m->seen[CONSUMER_CLIENT] = r->client_seen;
@@ -3000,26 +3016,28 @@ static int load_open(struct store *s, int (*fn)(void *arg, struct convo *c), voi
 	return rc;
 }
 
-static int spool_each(struct store *s,
-                      int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
-                                uint32_t version, int64_t enqueued_ms),
+static int spool_each(struct store *s, int64_t after_seq,
+                      int (*fn)(void *arg, int64_t seq, const char *conv, size_t conv_len,
+                                const char *sk, uint32_t version, int64_t enqueued_ms),
                       void *arg)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_EACH];
 	int rc = 0, step;
 
+	if ((step = sqlite3_bind_int64(st, 1, after_seq)) != SQLITE_OK)
+		return fail(s, st, step);
 	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
-		const char *conv = sqlite3_column_blob(st, 0);
-		size_t conv_len = (size_t)sqlite3_column_bytes(st, 0);
-		const char *sk = (const char *)sqlite3_column_text(st, 1);
-		int64_t version = sqlite3_column_int64(st, 2);
+		const char *conv = sqlite3_column_blob(st, 1);
+		size_t conv_len = (size_t)sqlite3_column_bytes(st, 1);
+		const char *sk = (const char *)sqlite3_column_text(st, 2);
+		int64_t version = sqlite3_column_int64(st, 3);
 		if (!sk || version < 0 || version > UINT32_MAX) {
 			rc = bad_row(s, conv ? conv : "", conv_len, sk, sk ? strlen(sk) : 0,
 			             "bad spool row");
 			break;
 		}
-		if ((rc = fn(arg, conv ? conv : "", conv_len, sk, (uint32_t)version,
-		             sqlite3_column_int64(st, 3))) != 0)
+		if ((rc = fn(arg, sqlite3_column_int64(st, 0), conv ? conv : "", conv_len, sk,
+		             (uint32_t)version, sqlite3_column_int64(st, 4))) != 0)
 			break;
 	}
 	if (!rc && step != SQLITE_DONE)
@@ -3196,12 +3214,12 @@ int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void
 	LOCKED(s, load_open(s, fn, arg));
 }
 
-int store_spool_each(struct store *s,
-                     int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
-                               uint32_t version, int64_t enqueued_ms),
+int store_spool_each(struct store *s, int64_t after_seq,
+                     int (*fn)(void *arg, int64_t seq, const char *conv, size_t conv_len,
+                               const char *sk, uint32_t version, int64_t enqueued_ms),
                      void *arg)
 {
-	LOCKED(s, spool_each(s, fn, arg));
+	LOCKED(s, spool_each(s, after_seq, fn, arg));
 }
 
 int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,

@@ -177,12 +177,16 @@ int store_load_conversation(struct store *s, const char *conv, size_t conv_len, 
  * (logged, naming the conversation) or -ENOMEM. fn runs while the store reads: it must not
  * call store_load_open or store_load_conversation, and should not write. */
 int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg);
-/* Calls fn for every spool row in the order they were first spooled (enqueued_ms is the
- * first time; a row's version may have grown since). conv and sk are valid during the call
- * only. fn returns 0 to go on or a negative errno to stop (returned). 0 or -EIO. */
-int store_spool_each(struct store *s,
-                     int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
-                               uint32_t version, int64_t enqueued_ms),
+/* Calls fn for every spool row after after_seq (0: all) in the order they were first
+ * spooled (enqueued_ms is the first time; a row's version may have grown since); seq is the
+ * row's place in that order, to go on after it in a later call. conv and sk are valid during
+ * the call only. fn returns 0 to go on, or anything else to stop: a negative errno, or a
+ * positive value to pause (a caller reading the spool in slices). Returns what fn stopped
+ * with, else 0 at the end, or -EIO. Each call is a read of its own: nothing stays open
+ * between two calls, and rows written in between are seen if they come after. */
+int store_spool_each(struct store *s, int64_t after_seq,
+                     int (*fn)(void *arg, int64_t seq, const char *conv, size_t conv_len,
+                               const char *sk, uint32_t version, int64_t enqueued_ms),
                      void *arg);
 /* The stored map, version and updated time of one message (for sending messages whose
  * conversation is not in memory). 0 or -ENOENT / -EIO. Caller owns *map. */

@@ -381,10 +381,11 @@ static void update_round(struct probe *p)
 	sink_kick(p->sink);
 }
 
-static int resume_row(void *arg, const char *conv, size_t conv_len, const char *sk,
+static int resume_row(void *arg, int64_t seq, const char *conv, size_t conv_len, const char *sk,
                       uint32_t version, int64_t enqueued_ms)
 {
 	struct probe *p = arg;
+	(void)seq;
 	int rc = sink_enqueue(p->sink, conv, conv_len, sk, version, enqueued_ms);
 	if (rc == 0)
 		p->total++;
@@ -841,7 +842,7 @@ int main(int argc, char **argv)
 	}
 
 	if (p.o.resume) {
-		if ((rc = store_spool_each(p.store, resume_row, &p)) < 0)
+		if ((rc = store_spool_each(p.store, 0, resume_row, &p)) < 0)
 			die("store_spool_each", rc);
 		p.o.conversations = 0;
 	} else {

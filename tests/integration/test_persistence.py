@@ -26,6 +26,7 @@ exist; otherwise each stop waits out --drain-ms against a deleted table.
 import decimal
 import json
 import os
+import re
 import signal
 import sqlite3
 import time
@@ -33,7 +34,7 @@ import time
 import pytest
 
 import ddb
-from conftest import TIMEOUT_SCALE
+from conftest import TIMEOUT_SCALE, scaled
 
 SECRET = "convod-persistence-secret-0123456789"
 KEY_ID = "AKIDPERSISTTEST"
@@ -713,6 +714,109 @@ def test_validation_error_is_dead_lettered(faultproxy, dynalite, ddb_table, daem
     assert c.ok({"op": "dead_letters"})["dead_letters"] == []
     table_matches_daemon(dynalite, ddb_table, c, convs)
     no_secret(d, c)
+
+
+def test_dead_letter_stays_parked_across_restart(faultproxy, dynalite, ddb_table,
+                                                 daemon_factory):
+    """A dead-lettered write waits for an operator's retry_dead_letters, restart or not: a
+    restart must neither send it again on its own (DynamoDB would refuse it again, and each
+    start would add another dead letter) nor forget it."""
+    d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "600000",
+                        "--retry-base-ms", "20", "--retry-max-ms", "300"],
+                       env=ddb_env(faultproxy.url))
+    c = d.connect()
+    c.ok({"op": "add_user", "conversation": "parked", "contents": "refused for good"})
+    faultproxy.push("validation", n=1, op="BatchWriteItem")
+    c.ok({"op": "flush"})
+    wait_drained(c)
+    (dl,) = c.ok({"op": "dead_letters"})["dead_letters"]
+    c.close()
+    assert d.stop() == 0, d.log()
+    for _ in range(2):
+        d.start()
+        c = d.connect()
+        c.ok({"op": "flush"})
+        st = wait_drained(c)
+        assert st["sink"]["writes_sent"] == 0, st["sink"]
+        assert c.ok({"op": "dead_letters"})["dead_letters"] == [dl]
+        c.close()
+        assert d.stop() == 0, d.log()
+    assert ddb.query_all(dynalite, ddb_table, "parked") == []
+    assert len(dead_letters(d.state_dir)) == 1
+    # Retried, it goes out; a restart after that sends nothing more.
+    d.start()
+    c = d.connect()
+    assert c.ok({"op": "retry_dead_letters"})["retried"] == 1
+    st = wait_drained(c)
+    assert st["sink"]["confirmed"] == 1, st["sink"]
+    table_matches_daemon(dynalite, ddb_table, c, ["parked"])
+    c.close()
+    assert d.stop() == 0, d.log()
+
+
+def pipelined_adds(c, convs, n, chunk=1000):
+    """n adds spread over convs, user and assistant turns alternating in each (so that none
+    merges), written chunk at a time ahead of their answers; every answer must be ok."""
+    done = 0
+    while done < n:
+        k = min(chunk, n - done)
+        lines = []
+        for i in range(done, done + k):
+            conv = convs[i % len(convs)]
+            op = "add_user" if (i // len(convs)) % 2 == 0 else "add_assistant"
+            lines.append(json.dumps({"op": op, "conversation": conv, "contents": "m%d" % i}))
+        c.send_raw(("\n".join(lines) + "\n").encode())
+        for _ in range(k):
+            r = c.recv()
+            assert r.get("ok") is True, r
+        done += k
+
+
+def test_retry_reads_a_large_spool_in_slices(faultproxy, dynalite, ddb_table, daemon_factory):
+    """retry_dead_letters puts the rows back in the spool and the flusher reads the spool
+    again to take them: a read of the whole spool, which at a million rows takes about a
+    second. It runs in slices of about 2 ms, one a loop turn, so that it holds neither the
+    loop nor the store's writer: many slices here, and every row taken."""
+    n = 10000 if os.environ.get("CONVOD_VALGRIND") else 50000
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, ["--drain-ms", "0"])
+    c = d.connect()
+    faultproxy.set_down(True)
+    convs = ["slices-%d" % k for k in range(100)]
+    pipelined_adds(c, convs, n)
+    c.ok({"op": "flush"})
+    wait_until(lambda: stats(c)["spool"]["items"] == n, scaled(30), "the whole spool")
+    c.close()
+    assert d.stop() == 0, d.log()
+    # Every row a dead letter, as if DynamoDB had refused them all.
+    db = sqlite3.connect(os.path.join(d.state_dir, "convod.db"))
+    try:
+        with db:
+            db.execute("INSERT INTO dead_letters(conversation, sk, version, item, error, at)"
+                       " SELECT conversation, sk, version, NULL, 'refused in a test', enqueued"
+                       " FROM spool ORDER BY seq")
+            assert db.execute("DELETE FROM spool").rowcount == n
+    finally:
+        db.close()
+    d.start()
+    c = d.connect()
+    assert stats(c)["spool"]["items"] == 0
+    assert c.ok({"op": "retry_dead_letters"})["retried"] == n
+    # The daemon answers while the read goes on, and the flusher ends up with every row.
+    wait_until(lambda: stats(c)["spool"]["items"] == n, scaled(30), "the flusher to take the rows")
+    reads = [line for line in d.log().splitlines()
+             if "read the spool again after rows were put back in it" in line]
+    assert len(reads) == 1, d.log()[-3000:]
+    m = re.search(r": (\d+) rows sent again \((\d+) rows read in (\d+) slices", reads[0])
+    assert m, reads[0]
+    sent, read, slices = (int(x) for x in m.groups())
+    assert sent == n and read == n, d.log()[-5000:]
+    assert slices > 1, reads[0]
+    assert c.ok({"op": "dead_letters"})["dead_letters"] == []
+    # DynamoDB back: they go out.
+    faultproxy.set_down(False)
+    wait_until(lambda: stats(c)["sink"]["confirmed"] > 0, scaled(30), "writes to be confirmed")
+    c.close()
+    assert d.stop() == 0, d.log()[-3000:]
 
 
 # --- 6. a long outage -------------------------------------------------------------------

@@ -465,14 +465,17 @@ struct spool_row {
 
 struct spool_list {
 	struct spool_row rows[16];
+	int64_t seq[16];
 	size_t n;
+	int stop_with; /* what spool_cb answers after each row (0: go on) */
 };
 
-static int spool_cb(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
-                    int64_t enqueued_ms)
+static int spool_cb(void *arg, int64_t seq, const char *conv, size_t conv_len, const char *sk,
+                    uint32_t version, int64_t enqueued_ms)
 {
 	struct spool_list *l = arg;
 	if (l->n < 16 && conv_len < sizeof(l->rows[0].conv)) {
+		l->seq[l->n] = seq;
 		struct spool_row *r = &l->rows[l->n];
 		memcpy(r->conv, conv, conv_len);
 		r->conv_len = conv_len;
@@ -481,13 +484,34 @@ static int spool_cb(void *arg, const char *conv, size_t conv_len, const char *sk
 		r->enqueued = enqueued_ms;
 	}
 	l->n++;
-	return 0;
+	return l->stop_with;
+}
+
+/* The spool read in slices of one row (what sink_resync does by time): each call goes on
+ * after the row the last one stopped at. */
+static void check_spool_slices(struct store *s, const struct spool_list *whole)
+{
+	struct spool_list one = {.n = 0, .stop_with = 1};
+	int64_t after = 0;
+
+	for (size_t i = 0; i < whole->n; i++) {
+		one.n = 0;
+		CHECK(store_spool_each(s, after, spool_cb, &one) == 1);
+		CHECK(one.n == 1 && one.seq[0] > after && one.seq[0] == whole->seq[i]);
+		CHECK_STR(one.rows[0].sk, whole->rows[i].sk);
+		after = one.seq[0];
+	}
+	one.n = 0;
+	CHECK(store_spool_each(s, after, spool_cb, &one) == 0 && one.n == 0);
+	/* A negative answer stops the read and is what it returns. */
+	one.stop_with = -ENOMEM;
+	CHECK(store_spool_each(s, 0, spool_cb, &one) == -ENOMEM && one.n == 1);
 }
 
 static struct spool_list spool_rows(struct store *s)
 {
 	struct spool_list l = {.n = 0};
-	CHECK(store_spool_each(s, spool_cb, &l) == 0);
+	CHECK(store_spool_each(s, 0, spool_cb, &l) == 0);
 	return l;
 }
 
@@ -633,6 +657,22 @@ static void test_spool(void)
 	CHECK(l.rows[1].version == 1 && l.rows[1].enqueued == T0 + 70);
 	CHECK_STR(l.rows[2].sk, sk0);
 	CHECK(l.rows[2].version == 4);
+	check_spool_slices(s, &l);
+	/* A row spooled after a read stopped is found by the next slice; gone, it is not. */
+	{
+		struct spool_list one = {.n = 0, .stop_with = 0};
+		CHECK(store_begin(s) == 0);
+		CHECK(store_spool_put(s, "late", 4, "01ARZ3NDEKTSV4RRFFQ69G5FAW", 1, 0, T0 + 71) ==
+		      0);
+		CHECK(store_commit(s) == 0);
+		CHECK(store_spool_each(s, l.seq[2], spool_cb, &one) == 0 && one.n == 1);
+		CHECK(one.seq[0] > l.seq[2] && one.rows[0].conv_len == 4);
+		CHECK(store_begin(s) == 0);
+		CHECK(store_spool_done(s, "late", 4, "01ARZ3NDEKTSV4RRFFQ69G5FAW", 1) == 0);
+		CHECK(store_commit(s) == 0);
+		one.n = 0;
+		CHECK(store_spool_each(s, l.seq[2], spool_cb, &one) == 0 && one.n == 0);
+	}
 	CHECK(store_dead_letters(s, 10, &dl) == 0 && json_array_size(dl) == 0);
 	json_decref(dl);
 	/* never inside a transaction; a rolled back dead letter is not there to retry */
@@ -653,10 +693,15 @@ static void test_spool(void)
 	convo_free(c);
 }
 
-/* seen[CONSUMER_SINK] after a load: taken only when confirmed or spooled at that version. */
+static int sql(const char *dir, const char *statements);
+static int64_t query_int(const char *dir, const char *q);
+
+/* seen[CONSUMER_SINK] after a load: taken only when confirmed, spooled or dead-lettered at
+ * that version. */
 static void test_sink_seen(void)
 {
-	char dir[128], sk0[DDBITEM_SK_MAX + 1], sk1[DDBITEM_SK_MAX + 1], sk2[DDBITEM_SK_MAX + 1];
+	char dir[128], sk0[DDBITEM_SK_MAX + 1], sk1[DDBITEM_SK_MAX + 1], sk2[DDBITEM_SK_MAX + 1],
+	    sk3[DDBITEM_SK_MAX + 1];
 	struct convo_env env;
 	struct convo *c, *l = NULL;
 	struct store *s;
@@ -683,15 +728,46 @@ static void test_sink_seen(void)
 	CHECK(store_spool_done(s, conv_id, CONV_ID_LEN, sk1, c->log[1]->version) == 0);
 	/* Spooled at its version. */
 	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk2, c->log[2]->version, 1, T0) == 0);
+	/* Dead-lettered at its version: it waits for retry_dead_letters, not for a flush. */
+	CHECK(c->nlog > 3);
+	sort_key_of(c->log[3], sk3);
+	CHECK(store_spool_put(s, conv_id, CONV_ID_LEN, sk3, c->log[3]->version, 1, T0) == 0);
+	CHECK(store_dead_letter(s, conv_id, CONV_ID_LEN, sk3, c->log[3]->version, NULL, "E", T0) ==
+	      0);
 	CHECK(store_commit(s) == 0);
+	CHECK(spool_rows(s).n == 2);
 	CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0);
 	if (l) {
 		CHECK(l->nlog == c->nlog);
 		CHECK(l->log[0]->seen[CONSUMER_SINK] == c->log[0]->version - 1);
 		CHECK(l->log[1]->seen[CONSUMER_SINK] == c->log[1]->version);
 		CHECK(l->log[2]->seen[CONSUMER_SINK] == c->log[2]->version);
-		for (size_t i = 3; i < l->nlog; i++)
+		CHECK(l->log[3]->seen[CONSUMER_SINK] == c->log[3]->version);
+		for (size_t i = 4; i < l->nlog; i++)
 			CHECK(l->log[i]->seen[CONSUMER_SINK] == 0);
+	}
+	convo_free(l);
+	l = NULL;
+	store_close(s);
+	/* A store of schema 5 (no index of the dead letters) is upgraded, and reads the same. */
+	CHECK(sql(dir, "DROP INDEX dead_letters_by_message; PRAGMA user_version=5") == SQLITE_OK);
+	capture_begin();
+	s = open_store(dir);
+	{
+		char *log = capture_end();
+		CHECK(log && strstr(log, "upgraded from schema 5 to 6"));
+		free(log);
+	}
+	if (!s) {
+		convo_free(c);
+		return;
+	}
+	CHECK(query_int(dir, "SELECT count(*) FROM sqlite_schema"
+	                     " WHERE name = 'dead_letters_by_message'") == 1);
+	CHECK(store_load_conversation(s, conv_id, CONV_ID_LEN, &l) == 0);
+	if (l) {
+		CHECK(l->log[3]->seen[CONSUMER_SINK] == c->log[3]->version);
+		CHECK(l->log[4]->seen[CONSUMER_SINK] == 0);
 	}
 	convo_free(l);
 	convo_free(c);
@@ -1291,7 +1367,7 @@ static void test_schema3(void)
 		convo_free(l2);
 		l = l2 = NULL;
 		store_close(s);
-		CHECK(query_int(d, "PRAGMA user_version") == 5);
+		CHECK(query_int(d, "PRAGMA user_version") == 6);
 	}
 	convo_free(c);
 }
@@ -1322,16 +1398,19 @@ static void test_schema4(void)
 	store_close(s);
 	for (int k = 0; k < 2; k++) {
 		CHECK(sql(dir[k], "INSERT INTO batches SELECT * FROM batches1; DROP TABLE batches1;"
-		                  "PRAGMA user_version=4") == SQLITE_OK);
+		                  "DROP INDEX dead_letters_by_message; PRAGMA user_version=4") ==
+		      SQLITE_OK);
 		CHECK(count_rows(dir[k], "batches") == (k ? 2 : 0));
 		capture_begin();
 		s = open_store(dir[k]);
 		char *log = capture_end();
-		CHECK(log && strstr(log, "upgraded from schema 4 to 5"));
+		CHECK(log && strstr(log, "upgraded from schema 4 to 6"));
 		free(log);
 		if (!s)
 			continue;
-		CHECK(query_int(dir[k], "PRAGMA user_version") == 5);
+		CHECK(query_int(dir[k], "PRAGMA user_version") == 6);
+		CHECK(query_int(dir[k], "SELECT count(*) FROM sqlite_schema"
+		                        " WHERE name = 'dead_letters_by_message'") == 1);
 		CHECK(count_batches(dir[k]) == 0 && count_rows(dir[k], "segments") == 1);
 		CHECK(store_load_conversation(s, "s4", 2, &l) == 0 && l);
 		CHECK_SAME(c, l);
