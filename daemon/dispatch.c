@@ -837,7 +837,7 @@ static json_t *store_stats_json(struct dispatch *d)
 
 int dispatch_restore(struct dispatch *d)
 {
-	uint64_t items = 0, bytes = 0;
+	uint64_t items = 0, bytes = 0, t0;
 	int64_t oldest = 0;
 	int rc;
 
@@ -848,7 +848,11 @@ int dispatch_restore(struct dispatch *d)
 		log_msg(LOG_ERROR, "store", "cannot restore conversations: %s", strerror(-rc));
 		return rc;
 	}
-	if (store_spool_stats(d->store, &items, &bytes, &oldest) == 0 && items) {
+	/* The statistics start from this count of the spool's bytes. */
+	t0 = uv_hrtime();
+	if (store_spool_stats(d->store, &items, &bytes, &oldest) == 0)
+		sink_spool_counted(d->sink, items, bytes, (uv_hrtime() - t0) / 1000000u);
+	if (items) {
 		if (d->remote) {
 			rc = store_spool_each(d->store, 0, spool_one, d);
 			if (rc < 0) {

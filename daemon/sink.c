@@ -36,6 +36,8 @@
  * store's writer, for longer. */
 #define RESYNC_SLICE_NS 2000000u
 #define RESYNC_CLOCK_ROWS 64 /* rows read between two looks at the clock */
+/* The statistics' count of the spool's bytes goes this many rows a slice (about 1 ms). */
+#define BYTES_SLICE_ROWS 8192
 
 /* A chained hash table of nodes embedded first in their owners. */
 struct hnode {
@@ -140,13 +142,19 @@ struct sink {
 	char last_error[LAST_ERROR_MAX];
 	uint32_t lat[LATENCY_SAMPLES];
 	size_t nlat, lat_pos;
+	/* The statistics' bytes: the spool's map_bytes as of the last count (spool_bytes_at,
+	 * which took spool_scan_ms), counted again in slices (scan_timer) from after bytes_seq
+	 * while bytes_counting. */
 	uint64_t spool_bytes, spool_bytes_at, spool_scan_ms;
-	bool spool_bytes_valid;
+	bool spool_bytes_valid, bytes_counting;
+	int64_t bytes_seq;
+	uint64_t bytes_sum, bytes_ns;
 	/* Rows the sink may have lost (sink_lost): sink_resync reads the spool again, in
-	 * slices (resync_timer) from after resync_seq. resync_at is the loop time the last
-	 * read ended, resync_ms its time on the loop (the slices' sum, resync_ns meanwhile). */
+	 * slices (scan_timer, a slice of each scan under way a loop turn) from after resync_seq.
+	 * resync_at is the loop time the last read ended, resync_ms its time on the loop (the
+	 * slices' sum, resync_ns meanwhile). */
 	bool lost, resync_ran, resyncing, resync_now, resync_asked;
-	uv_timer_t resync_timer;
+	uv_timer_t scan_timer;
 	int64_t resync_seq;
 	uint64_t resync_at, resync_ms, resync_ns, resync_slice_end, resync_from;
 	size_t resync_rows, resync_slices;
@@ -174,7 +182,7 @@ void sink_config_defaults(struct sink_config *cfg)
 }
 
 static void on_close_timer(uv_timer_t *t);
-static void on_resync_timer(uv_timer_t *t);
+static void on_scan_timer(uv_timer_t *t);
 static void maybe_freed(struct sink *s);
 
 /* --- small helpers ------------------------------------------------------------------- */
@@ -1112,7 +1120,6 @@ static void resync_slice(struct sink *s)
 	rc = store_spool_each(s->store, s->resync_seq, resync_row, s);
 	s->resync_ns += uv_hrtime() - t0;
 	if (rc > 0) {
-		uv_timer_start(&s->resync_timer, on_resync_timer, 0, 0);
 		pump(s); /* what this slice found goes out meanwhile */
 		return;
 	}
@@ -1133,21 +1140,54 @@ static void resync_slice(struct sink *s)
 	        s->resync_asked ? "rows were put back in it" : "a lost recording",
 	        s->resynced - s->resync_from, s->resync_rows, s->resync_slices, s->resync_ms);
 	pump(s);
-	/* A read asked for meanwhile (sink_reread) starts now. */
-	if (s->lost && s->resync_now)
-		uv_timer_start(&s->resync_timer, on_resync_timer, 0, 0);
 }
 
-static void on_resync_timer(uv_timer_t *t)
+/* One slice of the statistics' count of the spool's bytes. */
+static void bytes_slice(struct sink *s)
+{
+	uint64_t t0 = uv_hrtime(), bytes = 0;
+	size_t rows = 0;
+	int rc = store_spool_bytes(s->store, s->bytes_seq, BYTES_SLICE_ROWS, &rows, &bytes,
+	                           &s->bytes_seq);
+
+	s->bytes_ns += uv_hrtime() - t0;
+	if (rc < 0) {
+		s->bytes_counting = false; /* the last count stays; counted again when due */
+		s->spool_bytes_at = uv_now(s->loop);
+		return;
+	}
+	s->bytes_sum += bytes;
+	if (rows == BYTES_SLICE_ROWS)
+		return;
+	s->bytes_counting = false;
+	s->spool_bytes = s->bytes_sum;
+	s->spool_bytes_at = uv_now(s->loop);
+	s->spool_scan_ms = s->bytes_ns / 1000000u;
+}
+
+/* The next slices in the next loop turn, while a scan is under way or a read is asked for
+ * (sink_reread, after the one under way). */
+static void scan_arm(struct sink *s)
+{
+	if (!s->closing && (s->resyncing || s->bytes_counting || (s->lost && s->resync_now)))
+		uv_timer_start(&s->scan_timer, on_scan_timer, 0, 0);
+}
+
+static void on_scan_timer(uv_timer_t *t)
 {
 	struct sink *s = t->data;
 
-	if (s->closing)
-		s->resyncing = false;
-	else if (s->resyncing)
+	if (s->closing) {
+		s->resyncing = s->bytes_counting = false;
+		return;
+	}
+	if (s->resyncing)
 		resync_slice(s);
-	else
+	else if (s->lost && s->resync_now)
 		sink_resync(s);
+	if (s->bytes_counting)
+		bytes_slice(s);
+	scan_arm(s);
 }
 
 int sink_resync(struct sink *s)
@@ -1170,7 +1210,18 @@ int sink_resync(struct sink *s)
 	s->resync_rows = s->resync_slices = 0;
 	s->resync_from = s->resynced;
 	resync_slice(s);
+	scan_arm(s);
 	return s->resyncing ? 1 : s->lost ? -EIO : 0;
+}
+
+void sink_spool_counted(struct sink *s, uint64_t items, uint64_t bytes, uint64_t took_ms)
+{
+	if (s && s->table && items > BYTES_SLICE_ROWS) {
+		s->spool_bytes = bytes;
+		s->spool_bytes_valid = true;
+		s->spool_bytes_at = uv_now(s->loop);
+		s->spool_scan_ms = took_ms;
+	}
 }
 
 void sink_reread(struct sink *s)
@@ -1223,7 +1274,11 @@ json_t *sink_stats_spool(struct sink *s)
 		uint64_t now = uv_now(s->loop);
 		int64_t age;
 
-		if (!s->spool_bytes_valid || rescan_due(now, s->spool_bytes_at, s->spool_scan_ms)) {
+		bool due = rescan_due(now, s->spool_bytes_at, s->spool_scan_ms);
+		if (!s->spool_bytes_valid ||
+		    (due && !s->bytes_counting && s->depth <= BYTES_SLICE_ROWS)) {
+			/* The first count (but for a large spool, which the daemon's start
+			 * counted: sink_spool_counted), or one of a small spool: at once. */
 			uint64_t t0 = uv_hrtime(), n = 0, b = 0;
 			int64_t first = 0;
 			if (store_spool_stats(s->store, &n, &b, &first) == 0) {
@@ -1232,6 +1287,12 @@ json_t *sink_stats_spool(struct sink *s)
 			}
 			s->spool_bytes_at = now;
 			s->spool_scan_ms = (uv_hrtime() - t0) / 1000000u;
+		} else if (due && !s->bytes_counting) {
+			/* Counted again in slices: this answer has the last count. */
+			s->bytes_counting = true;
+			s->bytes_seq = 0;
+			s->bytes_sum = s->bytes_ns = 0;
+			scan_arm(s);
 		}
 		items = s->depth;
 		bytes = s->spool_bytes;
@@ -1643,10 +1704,10 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 	}
 	uv_timer_init(loop, &s->timer);
 	uv_timer_init(loop, &s->close_timer);
-	uv_timer_init(loop, &s->resync_timer);
+	uv_timer_init(loop, &s->scan_timer);
 	s->timer.data = s;
 	s->close_timer.data = s;
-	s->resync_timer.data = s;
+	s->scan_timer.data = s;
 	s->handles = 3;
 	*out = s;
 	return 0;
@@ -1730,7 +1791,7 @@ static void on_close_timer(uv_timer_t *t)
 	s->resyncing = false;
 	uv_close((uv_handle_t *)&s->timer, on_handle_closed);
 	uv_close((uv_handle_t *)&s->close_timer, on_handle_closed);
-	uv_close((uv_handle_t *)&s->resync_timer, on_handle_closed);
+	uv_close((uv_handle_t *)&s->scan_timer, on_handle_closed);
 }
 
 void sink_close(struct sink *s, uint64_t deadline_ms, void (*on_closed)(void *arg), void *arg)

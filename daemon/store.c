@@ -218,6 +218,7 @@ enum stmt_id {
 	ST_DEAD_INSERT,
 	ST_SPOOL_EACH,
 	ST_SPOOL_STATS,
+	ST_SPOOL_BYTES,
 	ST_DEAD_LIST,
 	ST_DEAD_TO_SPOOL,
 	ST_DEAD_CLEAR,
@@ -267,6 +268,9 @@ static const char *const stmt_sql[ST_COUNT] = {
                       " WHERE seq > ?1 ORDER BY seq",
     [ST_SPOOL_STATS] = "SELECT count(*), coalesce(sum(map_bytes), 0),"
                        " coalesce(min(enqueued), 0) FROM spool",
+    [ST_SPOOL_BYTES] = "SELECT count(*), coalesce(sum(map_bytes), 0), coalesce(max(seq), ?1)"
+                       " FROM (SELECT seq, map_bytes FROM spool WHERE seq > ?1"
+                       " ORDER BY seq LIMIT ?2)",
     [ST_DEAD_LIST] = "SELECT conversation, sk, version, error, at FROM"
                      " (SELECT * FROM dead_letters ORDER BY seq DESC LIMIT ?1) ORDER BY seq",
     /* WHERE true: SQLite's parser needs it before an upsert's ON CONFLICT. */
@@ -3140,6 +3144,28 @@ static int spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_
 	return rc;
 }
 
+static int spool_bytes(struct store *s, int64_t after_seq, size_t limit, size_t *rows,
+                       uint64_t *bytes, int64_t *last_seq)
+{
+	sqlite3_stmt *st = s->st[ST_SPOOL_BYTES];
+	int rc = 0, step;
+
+	if ((step = sqlite3_bind_int64(st, 1, after_seq)) != SQLITE_OK ||
+	    (step = sqlite3_bind_int64(st, 2, limit > INT64_MAX ? INT64_MAX : (int64_t)limit)) !=
+	        SQLITE_OK)
+		return fail(s, st, step);
+	step = sqlite3_step(st);
+	if (step == SQLITE_ROW) {
+		*rows = (size_t)sqlite3_column_int64(st, 0);
+		*bytes = (uint64_t)sqlite3_column_int64(st, 1);
+		*last_seq = sqlite3_column_int64(st, 2);
+	} else {
+		rc = fail(s, st, step);
+	}
+	sqlite3_reset(st);
+	return rc;
+}
+
 /* One dead letter of ST_DEAD_LIST as an object. NULL on ENOMEM or a bad row. */
 static json_t *dead_letter_json(sqlite3_stmt *st)
 {
@@ -3231,6 +3257,12 @@ int store_message_get(struct store *s, const char *conv, size_t conv_len, const 
 int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
 {
 	LOCKED(s, spool_stats(s, items, bytes, oldest_ms));
+}
+
+int store_spool_bytes(struct store *s, int64_t after_seq, size_t limit, size_t *rows,
+                      uint64_t *bytes, int64_t *last_seq)
+{
+	LOCKED(s, spool_bytes(s, after_seq, limit, rows, bytes, last_seq));
 }
 
 int store_dead_letters(struct store *s, size_t limit, json_t **out)

@@ -192,6 +192,11 @@ int store_spool_each(struct store *s, int64_t after_seq,
  * conversation is not in memory). 0 or -ENOENT / -EIO. Caller owns *map. */
 int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,
                       json_t **map, uint32_t *version, int64_t *updated_ms);
+/* The spool's rows after after_seq, at most limit of them, in the order of store_spool_each:
+ * how many (*rows), the sum of their stored maps' bytes, and the seq of the last one
+ * (*last_seq, after_seq if none): a count of the spool in slices. 0 or -EIO. */
+int store_spool_bytes(struct store *s, int64_t after_seq, size_t limit, size_t *rows,
+                      uint64_t *bytes, int64_t *last_seq);
 /* Spool depth: rows, sum of the stored maps' bytes, oldest enqueue time (0 if none).
  * Scans the spool: call it for stats, not per request. 0 or -EIO. */
 int store_spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms);

@@ -754,6 +754,15 @@ def test_dead_letter_stays_parked_across_restart(faultproxy, dynalite, ddb_table
     assert d.stop() == 0, d.log()
 
 
+def spool_bytes(state_dir):
+    """The sum of the spool's map_bytes, read-only."""
+    db = sqlite3.connect("file:%s?mode=ro" % os.path.join(state_dir, "convod.db"), uri=True)
+    try:
+        return db.execute("SELECT coalesce(sum(map_bytes), 0) FROM spool").fetchone()[0]
+    finally:
+        db.close()
+
+
 def pipelined_adds(c, convs, n, chunk=1000):
     """n adds spread over convs, user and assistant turns alternating in each (so that none
     merges), written chunk at a time ahead of their answers; every answer must be ok."""
@@ -812,6 +821,21 @@ def test_retry_reads_a_large_spool_in_slices(faultproxy, dynalite, ddb_table, da
     assert sent == n and read == n, d.log()[-5000:]
     assert slices > 1, reads[0]
     assert c.ok({"op": "dead_letters"})["dead_letters"] == []
+    # The statistics' bytes: a spool this large is counted again in slices too, once due
+    # (at most once a second), the last count standing meanwhile; a restart counts it.
+    assert stats(c)["spool"]["bytes"] == spool_bytes(d.state_dir)
+    c.ok({"op": "add_user", "conversation": "one-more", "contents": "x" * 1000})
+    c.ok({"op": "flush"})
+    wait_until(lambda: stats(c)["spool"]["items"] == n + 1, scaled(10), "the new row")
+    wait_until(lambda: stats(c)["spool"]["bytes"] == spool_bytes(d.state_dir), scaled(10),
+               "the count to take the new row")
+    assert stats(c)["spool"]["bytes"] >= 1000
+    c.close()
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    st = stats(c)["spool"]
+    assert st["items"] == n + 1 and st["bytes"] == spool_bytes(d.state_dir), st
     # DynamoDB back: they go out.
     faultproxy.set_down(False)
     wait_until(lambda: stats(c)["sink"]["confirmed"] > 0, scaled(30), "writes to be confirmed")

@@ -506,6 +506,24 @@ static void check_spool_slices(struct store *s, const struct spool_list *whole)
 	/* A negative answer stops the read and is what it returns. */
 	one.stop_with = -ENOMEM;
 	CHECK(store_spool_each(s, 0, spool_cb, &one) == -ENOMEM && one.n == 1);
+	/* The bytes counted in slices of 1 and 2 rows add up to the whole count. */
+	for (size_t step = 1; step <= 2; step++) {
+		uint64_t items = 0, want = 0, sum = 0, bytes = 0;
+		int64_t oldest = 0, last = -1;
+		size_t rows = 0, slices = 0, total = 0;
+		CHECK(store_spool_stats(s, &items, &want, &oldest) == 0 && items == whole->n);
+		after = 0;
+		do {
+			CHECK(store_spool_bytes(s, after, step, &rows, &bytes, &last) == 0);
+			CHECK(rows <= step && (rows ? last > after : last == after));
+			sum += bytes;
+			total += rows;
+			after = last;
+			slices++;
+		} while (rows == step && slices < 10);
+		CHECK(sum == want && total == whole->n);
+		CHECK(slices == whole->n / step + 1);
+	}
 }
 
 static struct spool_list spool_rows(struct store *s)
