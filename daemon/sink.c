@@ -143,18 +143,18 @@ struct sink {
 	uint32_t lat[LATENCY_SAMPLES];
 	size_t nlat, lat_pos;
 	/* The statistics' bytes: the spool's map_bytes as of the last count (spool_bytes_at,
-	 * which took spool_scan_ms), counted again in slices (scan_timer) from after bytes_seq
+	 * which took spool_scan_ms), counted again in slices (scan_idle) from after bytes_seq
 	 * while bytes_counting. */
 	uint64_t spool_bytes, spool_bytes_at, spool_scan_ms;
 	bool spool_bytes_valid, bytes_counting;
 	int64_t bytes_seq;
 	uint64_t bytes_sum, bytes_ns;
 	/* Rows the sink may have lost (sink_lost): sink_resync reads the spool again, in
-	 * slices (scan_timer, a slice of each scan under way a loop turn) from after resync_seq.
+	 * slices (scan_idle, a slice of each scan under way a loop turn) from after resync_seq.
 	 * resync_at is the loop time the last read ended, resync_ms its time on the loop (the
 	 * slices' sum, resync_ns meanwhile). */
 	bool lost, resync_ran, resyncing, resync_now, resync_asked;
-	uv_timer_t scan_timer;
+	uv_idle_t scan_idle;
 	int64_t resync_seq;
 	uint64_t resync_at, resync_ms, resync_ns, resync_slice_end, resync_from;
 	size_t resync_rows, resync_slices;
@@ -163,7 +163,8 @@ struct sink {
 	struct job *jobs;
 
 	bool closing, finishing, client_closed;
-	unsigned handles; /* uv handles not closed yet (the three timers, every job's timer) */
+	unsigned handles; /* uv handles not closed yet (the two timers, the scans' idle handle,
+	                     every job's timer) */
 	void (*on_closed)(void *arg);
 	void *closed_arg;
 };
@@ -182,7 +183,7 @@ void sink_config_defaults(struct sink_config *cfg)
 }
 
 static void on_close_timer(uv_timer_t *t);
-static void on_scan_timer(uv_timer_t *t);
+static void on_scan_idle(uv_idle_t *h);
 static void maybe_freed(struct sink *s);
 
 /* --- small helpers ------------------------------------------------------------------- */
@@ -1170,15 +1171,18 @@ static void bytes_slice(struct sink *s)
 static void scan_arm(struct sink *s)
 {
 	if (!s->closing && (s->resyncing || s->bytes_counting || (s->lost && s->resync_now)))
-		uv_timer_start(&s->scan_timer, on_scan_timer, 0, 0);
+		uv_idle_start(&s->scan_idle, on_scan_idle);
+	else
+		uv_idle_stop(&s->scan_idle);
 }
 
-static void on_scan_timer(uv_timer_t *t)
+static void on_scan_idle(uv_idle_t *h)
 {
-	struct sink *s = t->data;
+	struct sink *s = h->data;
 
 	if (s->closing) {
 		s->resyncing = s->bytes_counting = false;
+		uv_idle_stop(h);
 		return;
 	}
 	if (s->resyncing)
@@ -1704,10 +1708,10 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 	}
 	uv_timer_init(loop, &s->timer);
 	uv_timer_init(loop, &s->close_timer);
-	uv_timer_init(loop, &s->scan_timer);
+	uv_idle_init(loop, &s->scan_idle);
 	s->timer.data = s;
 	s->close_timer.data = s;
-	s->scan_timer.data = s;
+	s->scan_idle.data = s;
 	s->handles = 3;
 	*out = s;
 	return 0;
@@ -1791,7 +1795,7 @@ static void on_close_timer(uv_timer_t *t)
 	s->resyncing = false;
 	uv_close((uv_handle_t *)&s->timer, on_handle_closed);
 	uv_close((uv_handle_t *)&s->close_timer, on_handle_closed);
-	uv_close((uv_handle_t *)&s->scan_timer, on_handle_closed);
+	uv_close((uv_handle_t *)&s->scan_idle, on_handle_closed);
 }
 
 void sink_close(struct sink *s, uint64_t deadline_ms, void (*on_closed)(void *arg), void *arg)
