@@ -3127,20 +3127,31 @@ static int message_get(struct store *s, const char *conv, size_t conv_len, const
 	return rc;
 }
 
+/* The three integers of the one row statement st (bound) answers, then reset. 0 or -errno
+ * (logged). */
+static int row_of_three(struct store *s, sqlite3_stmt *st, int64_t v[3])
+{
+	int rc = 0, step = sqlite3_step(st);
+
+	if (step == SQLITE_ROW)
+		for (int i = 0; i < 3; i++)
+			v[i] = sqlite3_column_int64(st, i);
+	else
+		rc = fail(s, st, step);
+	sqlite3_reset(st);
+	return rc;
+}
+
 static int spool_stats(struct store *s, uint64_t *items, uint64_t *bytes, int64_t *oldest_ms)
 {
-	sqlite3_stmt *st = s->st[ST_SPOOL_STATS];
-	int rc = 0, step;
+	int64_t v[3];
+	int rc = row_of_three(s, s->st[ST_SPOOL_STATS], v);
 
-	step = sqlite3_step(st);
-	if (step == SQLITE_ROW) {
-		*items = (uint64_t)sqlite3_column_int64(st, 0);
-		*bytes = (uint64_t)sqlite3_column_int64(st, 1);
-		*oldest_ms = sqlite3_column_int64(st, 2);
-	} else {
-		rc = fail(s, st, step);
+	if (rc == 0) {
+		*items = (uint64_t)v[0];
+		*bytes = (uint64_t)v[1];
+		*oldest_ms = v[2];
 	}
-	sqlite3_reset(st);
 	return rc;
 }
 
@@ -3148,21 +3159,18 @@ static int spool_bytes(struct store *s, int64_t after_seq, size_t limit, size_t 
                        uint64_t *bytes, int64_t *last_seq)
 {
 	sqlite3_stmt *st = s->st[ST_SPOOL_BYTES];
-	int rc = 0, step;
+	int64_t v[3];
+	int rc;
 
-	if ((step = sqlite3_bind_int64(st, 1, after_seq)) != SQLITE_OK ||
-	    (step = sqlite3_bind_int64(st, 2, limit > INT64_MAX ? INT64_MAX : (int64_t)limit)) !=
+	if ((rc = sqlite3_bind_int64(st, 1, after_seq)) != SQLITE_OK ||
+	    (rc = sqlite3_bind_int64(st, 2, limit > INT64_MAX ? INT64_MAX : (int64_t)limit)) !=
 	        SQLITE_OK)
-		return fail(s, st, step);
-	step = sqlite3_step(st);
-	if (step == SQLITE_ROW) {
-		*rows = (size_t)sqlite3_column_int64(st, 0);
-		*bytes = (uint64_t)sqlite3_column_int64(st, 1);
-		*last_seq = sqlite3_column_int64(st, 2);
-	} else {
-		rc = fail(s, st, step);
+		return fail(s, st, rc);
+	if ((rc = row_of_three(s, st, v)) == 0) {
+		*rows = (size_t)v[0];
+		*bytes = (uint64_t)v[1];
+		*last_seq = v[2];
 	}
-	sqlite3_reset(st);
 	return rc;
 }
 
