@@ -1199,7 +1199,7 @@ int sink_resync(struct sink *s)
 	if (!s || !s->table || s->closing)
 		return 0;
 	if (s->resyncing)
-		return 1; /* under way: the slices go on from the timer */
+		return 1; /* under way: the slices go on from the idle handle */
 	if (!s->lost)
 		return 0;
 	if (s->resync_ran && !s->resync_now &&
