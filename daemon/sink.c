@@ -1792,7 +1792,6 @@ static void on_close_timer(uv_timer_t *t)
 	s->client = NULL;
 	while (s->jobs)
 		job_end(s->jobs, -ECANCELED); /* those waiting on their timer */
-	s->resyncing = false;
 	uv_close((uv_handle_t *)&s->timer, on_handle_closed);
 	uv_close((uv_handle_t *)&s->close_timer, on_handle_closed);
 	uv_close((uv_handle_t *)&s->scan_idle, on_handle_closed);

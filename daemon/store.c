@@ -418,6 +418,7 @@ struct store {
 	 * transaction's included); at the start of that transaction, txn_bt. */
 	struct batch_table bt[2], txn_bt[2];
 	bool sink_rows; /* spool, confirmed or dead-letter rows may exist: loads look them up */
+	bool dead_rows; /* dead-letter rows may exist: loads look them up too */
 	uint64_t hash_key[2];
 };
 
@@ -2360,9 +2361,12 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		goto fail;
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
 	sqlite3_exec(s->db, "PRAGMA cache_size=-32768", NULL, NULL, NULL);
+	if (query_one(s->db, "SELECT EXISTS(SELECT 1 FROM dead_letters)", &rows, NULL, 0) !=
+	        SQLITE_OK ||
+	    rows)
+		s->sink_rows = s->dead_rows = true;
 	if (query_one(s->db,
-	              "SELECT EXISTS(SELECT 1 FROM spool) OR EXISTS(SELECT 1 FROM confirmed)"
-	              " OR EXISTS(SELECT 1 FROM dead_letters)",
+	              "SELECT EXISTS(SELECT 1 FROM spool) OR EXISTS(SELECT 1 FROM confirmed)",
 	              &rows, NULL, 0) != SQLITE_OK ||
 	    rows)
 		s->sink_rows = true;
@@ -2730,7 +2734,7 @@ int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const 
 	o.sk_len = strlen(sk);
 	o.item_len = item_json ? strlen(item_json) : 0;
 	o.error_len = strlen(o.error);
-	s->sink_rows = true;
+	s->sink_rows = s->dead_rows = true;
 	return write_op(s, &o);
 }
 
@@ -2846,7 +2850,8 @@ static int record_message(struct store *s, const struct convo *c, const struct m
 	if (s->sink_rows) {
 		int64_t covered = key_version(s, ST_CONFIRMED_VERSION, c->id, c->id_len, r);
 		int64_t spooled = key_version(s, ST_SPOOL_VERSION, c->id, c->id_len, r);
-		int64_t dead = key_version(s, ST_DEAD_VERSION, c->id, c->id_len, r);
+		int64_t dead =
+		    s->dead_rows ? key_version(s, ST_DEAD_VERSION, c->id, c->id_len, r) : 0;
 		if (spooled > covered)
 			covered = spooled;
 		if (dead > covered)
