@@ -19,6 +19,10 @@
  * pending": this many changes to send since the last tick (ten rounds of full batches at
  * the default 25 items and 8 in flight) ask for a tick now (dispatch.flush_soon). */
 #define DISPATCH_FLUSH_SOON_CHANGES 2000
+/* retry_dead_letters moves at most this many dead letters a transaction, and goes on for
+ * about this long a loop turn. */
+#define DISPATCH_RETRY_PART 256
+#define DISPATCH_RETRY_SLICE_NS 2000000
 
 int64_t dispatch_now_ms(void)
 {
@@ -1357,6 +1361,80 @@ static int table_create_start(struct dispatch *d, void *waiter)
 	return wait_join(d, table_wait_key, sizeof(table_wait_key) - 1, waiter, start_create_table);
 }
 
+/* retry_dead_letters waits like a restore too, under another such key. */
+static const char retry_wait_key[] = "\001retry_dead_letters";
+
+static int start_retry(struct dispatch *d, struct restore_wait *r)
+{
+	d->retry_wait = r;
+	d->retry_upto = -1;
+	d->retry_moved = d->retry_parts = 0;
+	d->retry_ns = 0;
+	d->retry_soon(d->retry_soon_arg);
+	return 0;
+}
+
+static void retry_finish(struct dispatch *d, enum dispatch_remote outcome, bool reread)
+{
+	struct restore_wait *r = d->retry_wait;
+
+	d->retry_wait = NULL;
+	d->retry_result = d->retry_moved;
+	if (d->retry_parts > 1)
+		log_msg(LOG_INFO, "store",
+		        "retry_dead_letters moved %zu dead letters back to the spool in %zu parts "
+		        "(%llu ms on the loop)%s",
+		        d->retry_moved, d->retry_parts, (unsigned long long)(d->retry_ns / 1000000),
+		        outcome == DISPATCH_REMOTE_FAILED ? ", then stopped" : "");
+	/* The rows are back in the spool (new ones, or a higher version of rows it held):
+	 * the sink reads it again, in slices, from now (at a stop, at the next start). */
+	if (reread && d->retry_moved && d->remote && d->sink)
+		sink_reread(d->sink);
+	restore_finish(r, outcome);
+}
+
+bool dispatch_retry_step(struct dispatch *d)
+{
+	uint64_t t0 = mono_ns(), elapsed = 0;
+	bool more = d->retry_wait != NULL;
+	int rc = 0;
+
+	/* A part is a transaction of its own: what is open (a turn waiting for one more poll,
+	 * confirmations the sink recorded) is committed first, as a flush tick would. */
+	if (more && (d->changed || store_in_transaction(d->store)) &&
+	    dispatch_commit(d, true) == DISPATCH_COMMIT_FAILED)
+		rc = -EIO;
+	/* Parts of DISPATCH_RETRY_PART rows for about DISPATCH_RETRY_SLICE_NS. */
+	while (more && rc == 0 && elapsed < DISPATCH_RETRY_SLICE_NS) {
+		size_t n = 0;
+		rc = store_dead_letters_retry_part(d->store, dispatch_now_ms(), &d->retry_upto,
+		                                   DISPATCH_RETRY_PART, &n, &more);
+		d->retry_moved += n;
+		d->retry_parts++;
+		elapsed = mono_ns() - t0;
+	}
+	if (!d->retry_wait)
+		return false;
+	d->retry_ns += elapsed;
+	if (rc < 0) {
+		log_msg(LOG_ERROR, "store", "retry_dead_letters: cannot move dead letters: %s",
+		        strerror(-rc));
+		retry_finish(d, DISPATCH_REMOTE_FAILED, true);
+		return false;
+	}
+	if (!more) {
+		retry_finish(d, DISPATCH_REMOTE_ABSENT, true);
+		return false;
+	}
+	return true;
+}
+
+void dispatch_retry_stop(struct dispatch *d)
+{
+	if (d->retry_wait)
+		retry_finish(d, DISPATCH_REMOTE_FAILED, false);
+}
+
 enum find_result { FIND_OK, FIND_WAIT, FIND_FAIL };
 
 /* The conversation cid names, for op: in memory, else loaded from the local store, else
@@ -1881,9 +1959,24 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	}
 	case OP_RETRY_DEAD_LETTERS: {
 		size_t n = 0, start = out->len;
+		if (remote == DISPATCH_REMOTE_FAILED) {
+			error_set(&err, ERR_UNAVAILABLE,
+			          "the local store cannot be written; retry later");
+			goto fail;
+		}
+		/* Moved in parts between the turns (start_retry); the answer waits for the
+		 * last, and a retry asked meanwhile joins it. */
+		if (remote == DISPATCH_REMOTE_CHECK && d->store && d->retry_soon && waiter &&
+		    wait_join(d, retry_wait_key, sizeof(retry_wait_key) - 1, waiter, start_retry) ==
+		        0) {
+			json_decref(req);
+			return DISPATCH_WAIT;
+		}
 		if (answer_open(out, idp) < 0)
 			goto oom;
-		if (d->store) {
+		if (remote == DISPATCH_REMOTE_ABSENT) {
+			n = d->retry_result;
+		} else if (d->store) {
 			int rc = 0;
 			/* The turn so far first (a transaction of its own), then the retry,
 			 * waited for: the count is what it moved. */

@@ -98,6 +98,16 @@ struct dispatch {
 	enum op answer_op;        /* the op of the request dispatch_line answered last */
 	bool store_failing;       /* the last commit failed (logged once until it recovers) */
 	struct restore_wait *restores; /* restores from DynamoDB (and create_table) in progress */
+	/* retry_dead_letters moves the dead letters in parts, each a transaction of its own:
+	 * retry_soon(retry_soon_arg) asks main to call dispatch_retry_step once a loop turn
+	 * (NULL: the whole move at once, in the request). */
+	void (*retry_soon)(void *arg);
+	void *retry_soon_arg;
+	struct restore_wait *retry_wait; /* the move under way (its waiters), or NULL */
+	int64_t retry_upto;              /* its last dead letter's seq (-1 until the first part) */
+	size_t retry_moved, retry_parts; /* by the move under way so far */
+	uint64_t retry_ns;               /* the loop's time in its parts */
+	size_t retry_result;             /* what the last move ended with moved: its answer */
 	dispatch_ready_cb on_ready;
 	struct buf scratch;       /* decoded request strings of the fast path */
 	bool no_fast_path;        /* read every request with jansson (tests compare both) */
@@ -107,9 +117,9 @@ struct dispatch {
  * d->nsubmits then, and not before the last dispatch_turn_done): its seq, DISPATCH_SEQ_VOID
  * when it failed or a failure voided it, or 0 when it is not handed over yet (or could not
  * be recorded for want of memory). A turn is mostly one transaction, but the flush timer
- * commits a turn whose answers wait for one more poll, and each retry_dead_letters commits
- * the turn so far: the answers made before such a commit must wait for it, not for the
- * turn's last. */
+ * commits a turn whose answers wait for one more poll, and so do retry_dead_letters' move
+ * before its parts and a retry_dead_letters done at once (no waiter): the answers made
+ * before such a commit must wait for it, not for the turn's last. */
 uint64_t dispatch_seq_after(const struct dispatch *d, uint64_t n);
 /* The server knows the transaction of every answer made so far: dispatch_seq_after is not
  * asked about them again, and their seqs are forgotten. */
@@ -134,6 +144,11 @@ int dispatch_restore(struct dispatch *d);
  * waiter identifies the caller to on_ready. */
 enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
 				   struct buf *out, void *waiter, enum dispatch_remote remote);
+
+/* One part of retry_dead_letters' move (a few ms). true: call again for the next. */
+bool dispatch_retry_step(struct dispatch *d);
+/* The daemon stops: a move under way ends where it is (its waiters are gone). */
+void dispatch_retry_stop(struct dispatch *d);
 
 /* The waiter went away (its connection closed): it is not called back. */
 void dispatch_cancel_wait(struct dispatch *d, void *waiter);

@@ -34,6 +34,7 @@ struct daemon {
 	uv_signal_t sigint, sigterm;
 	uv_signal_t sighup;
 	uv_timer_t flush_timer;
+	uv_idle_t retry_idle; /* retry_dead_letters' move, a part a loop turn */
 	uv_async_t committed; /* the store's writer thread wakes the loop through it */
 	int signals_seen;
 	bool draining; /* sink_close has been called with on_sink_closed */
@@ -95,6 +96,19 @@ static void on_flush_timer(uv_timer_t *t)
 	}
 }
 
+static void on_retry_idle(uv_idle_t *h)
+{
+	struct daemon *d = h->data;
+	if (!dispatch_retry_step(&d->dispatch))
+		uv_idle_stop(h);
+}
+
+static void on_retry_soon(void *arg)
+{
+	struct daemon *d = arg;
+	uv_idle_start(&d->retry_idle, on_retry_idle);
+}
+
 static void on_committed(uv_async_t *h)
 {
 	struct daemon *d = h->data;
@@ -125,6 +139,9 @@ static void on_stopped(struct server *s)
 	uv_timer_stop(&d->flush_timer);
 	uv_close((uv_handle_t *)&d->flush_timer, NULL);
 	d->dispatch.flush_soon = NULL;
+	uv_close((uv_handle_t *)&d->retry_idle, NULL);
+	d->dispatch.retry_soon = NULL;
+	dispatch_retry_stop(&d->dispatch);
 	/* Every conversation's last message goes to the spool, then the flusher drains it:
 	 * what the spool takes now is handed to the sink once written. */
 	dispatch_flush_tick(&d->dispatch, true);
@@ -387,6 +404,10 @@ int main(int argc, char **argv)
 		       d.cfg.flush_interval_ms);
 	d.dispatch.flush_soon = on_flush_soon;
 	d.dispatch.flush_soon_arg = &d;
+	uv_idle_init(&d.loop, &d.retry_idle);
+	d.retry_idle.data = &d;
+	d.dispatch.retry_soon = on_retry_soon;
+	d.dispatch.retry_soon_arg = &d;
 	log_msg(LOG_INFO, "main", "convod %s ready (%s, durability %s)", CONVOD_VERSION,
 		d.store ? "local store" : "memory only",
 		store_durability_str((enum durability)d.cfg.durability));

@@ -220,6 +220,8 @@ enum stmt_id {
 	ST_SPOOL_STATS,
 	ST_SPOOL_BYTES,
 	ST_DEAD_LIST,
+	ST_DEAD_LAST,
+	ST_DEAD_BOUND,
 	ST_DEAD_TO_SPOOL,
 	ST_DEAD_CLEAR,
 	ST_PURGE_SEGMENTS,
@@ -273,13 +275,19 @@ static const char *const stmt_sql[ST_COUNT] = {
                        " ORDER BY seq LIMIT ?2)",
     [ST_DEAD_LIST] = "SELECT conversation, sk, version, error, at FROM"
                      " (SELECT * FROM dead_letters ORDER BY seq DESC LIMIT ?1) ORDER BY seq",
-    /* WHERE true: SQLite's parser needs it before an upsert's ON CONFLICT. */
+    [ST_DEAD_LAST] = "SELECT coalesce(max(seq), 0) FROM dead_letters",
+    /* The seq a part of a retry ends at, and whether a row is left after it. */
+    [ST_DEAD_BOUND] = "SELECT seq FROM dead_letters WHERE seq <= ?1 ORDER BY seq LIMIT 2 OFFSET ?2",
+    /* The WHERE also keeps SQLite's parser from reading ON CONFLICT as a join's. NOT
+     * INDEXED: to group by message, SQLite would read dead_letters_by_message whole,
+     * which for a part of a large table costs the whole table each time. */
     [ST_DEAD_TO_SPOOL] =
         "INSERT INTO spool(conversation, sk, version, enqueued)"
-        " SELECT conversation, sk, max(version), ?1 FROM dead_letters WHERE true"
+        " SELECT conversation, sk, max(version), ?1 FROM dead_letters NOT INDEXED"
+        " WHERE seq <= ?2"
         " GROUP BY conversation, sk ORDER BY min(seq)"
         " ON CONFLICT(sk, conversation) DO UPDATE SET version = max(version, excluded.version)",
-    [ST_DEAD_CLEAR] = "DELETE FROM dead_letters",
+    [ST_DEAD_CLEAR] = "DELETE FROM dead_letters WHERE seq <= ?1",
     [ST_PURGE_SEGMENTS] = "DELETE FROM segments WHERE conversation IN"
                           " (SELECT id FROM conversations WHERE " PURGEABLE ")",
     [ST_PURGE_CONFIRMED] = "DELETE FROM confirmed WHERE conversation IN"
@@ -1804,6 +1812,11 @@ struct job {
 	size_t ops_len;
 	int64_t arg;    /* now_ms for JOB_RETRY_DEAD, before_ms for JOB_PURGE */
 	size_t result;  /* dead letters retried, conversations purged */
+	/* JOB_RETRY_DEAD: the last seq it may move (< 0: the newest, filled in), how many rows
+	 * at most (0: all), and whether some are left after them. */
+	int64_t upto;
+	size_t max_rows;
+	bool more;
 	bool sync;      /* a thread waits for it: the writer reports into it, the waiter frees */
 	bool done;
 	int rc;
@@ -1898,6 +1911,41 @@ static int write_jobs(struct store *s, struct job *jobs)
 	return 0;
 }
 
+/* Where a part of a retry (j) ends: *bound, the seq of its last row, and j->more; j->upto
+ * is filled in first when the retry starts. */
+static int dead_bound(struct store *s, struct job *j, int64_t *bound)
+{
+	sqlite3_stmt *st = s->st[ST_DEAD_LAST];
+	int step, rc;
+
+	j->more = false;
+	if (j->upto < 0) {
+		if ((step = sqlite3_step(st)) == SQLITE_ROW)
+			j->upto = sqlite3_column_int64(st, 0);
+		rc = step == SQLITE_ROW ? 0 : fail(s, st, step);
+		sqlite3_reset(st);
+		if (rc)
+			return rc;
+	}
+	*bound = j->upto;
+	if (!j->max_rows)
+		return 0;
+	st = s->st[ST_DEAD_BOUND];
+	if ((rc = sqlite3_bind_int64(st, 1, j->upto)) != SQLITE_OK ||
+	    (rc = sqlite3_bind_int64(st, 2, (int64_t)j->max_rows - 1)) != SQLITE_OK)
+		return fail(s, st, rc);
+	if ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		*bound = sqlite3_column_int64(st, 0);
+		if ((step = sqlite3_step(st)) == SQLITE_ROW) {
+			j->more = true;
+			step = SQLITE_DONE;
+		}
+	}
+	rc = step == SQLITE_DONE ? 0 : fail(s, st, step);
+	sqlite3_reset(st);
+	return rc;
+}
+
 /* The jobs that are not writes: each on its own, in transactions of their own. */
 static int run_special(struct store *s, struct job *j)
 {
@@ -1905,12 +1953,18 @@ static int run_special(struct store *s, struct job *j)
 
 	switch (j->kind) {
 	case JOB_RETRY_DEAD: {
-		sqlite3_stmt *st = s->st[ST_DEAD_TO_SPOOL];
+		sqlite3_stmt *st = s->st[ST_DEAD_TO_SPOOL], *clear = s->st[ST_DEAD_CLEAR];
+		int64_t bound = 0;
 		if ((rc = tx_begin(s)) < 0)
 			return rc;
-		if ((rc = sqlite3_bind_int64(st, 1, j->arg)) != SQLITE_OK)
+		if ((rc = dead_bound(s, j, &bound)) < 0)
+			;
+		else if ((rc = sqlite3_bind_int64(st, 1, j->arg)) != SQLITE_OK ||
+		         (rc = sqlite3_bind_int64(st, 2, bound)) != SQLITE_OK)
 			rc = fail(s, st, rc);
-		else if ((rc = run(s, st)) == 0 && (rc = run(s, s->st[ST_DEAD_CLEAR])) == 0)
+		else if ((rc = sqlite3_bind_int64(clear, 1, bound)) != SQLITE_OK)
+			rc = fail(s, clear, rc);
+		else if ((rc = run(s, st)) == 0 && (rc = run(s, clear)) == 0)
 			j->result = (size_t)sqlite3_changes64(s->db);
 		if (rc) {
 			tx_rollback(s);
@@ -3306,9 +3360,38 @@ static int special(struct store *s, enum job_kind kind, int64_t arg, size_t *res
 	return rc == -ECANCELED ? -EIO : rc;
 }
 
+int store_dead_letters_retry_part(struct store *s, int64_t now_ms, int64_t *upto, size_t max_rows,
+                                  size_t *n, bool *more)
+{
+	struct job *j;
+	int rc;
+
+	*n = 0;
+	*more = false;
+	if (s->in_txn)
+		return -EINVAL;
+	if (!(j = calloc(1, sizeof(*j))))
+		return -ENOMEM;
+	j->kind = JOB_RETRY_DEAD;
+	j->arg = now_ms;
+	j->upto = *upto;
+	j->max_rows = max_rows;
+	rc = job_run_sync(s, j);
+	if (!rc) {
+		*n = j->result;
+		*more = j->more;
+		*upto = j->upto;
+	}
+	job_free(j);
+	return rc == -ECANCELED ? -EIO : rc;
+}
+
 int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n)
 {
-	return special(s, JOB_RETRY_DEAD, now_ms, n);
+	int64_t upto = -1;
+	bool more;
+
+	return store_dead_letters_retry_part(s, now_ms, &upto, 0, n, &more);
 }
 
 int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)

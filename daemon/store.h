@@ -208,6 +208,13 @@ int store_dead_letters(struct store *s, size_t limit, json_t **out);
  * only (-EINVAL inside one): a transaction of its own, after what was submitted before,
  * waited for. 0, -ENOSPC or -EIO. */
 int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n);
+/* One part of a retry, in a transaction of its own (as store_dead_letters_retry): the oldest
+ * max_rows dead letters (0: all) among those whose seq is at most *upto, which is first the
+ * newest seq there is (< 0 asks for it; written back). Messages with dead letters on both
+ * sides of a part's end get one spool row all the same, while the flusher has not read it
+ * (the spool row takes the higher version). *more: some are left for the next part. */
+int store_dead_letters_retry_part(struct store *s, int64_t now_ms, int64_t *upto, size_t max_rows,
+                                  size_t *n, bool *more);
 /* Deletes conversations closed before before_ms that have no spool row, with their
  * messages (dead letters stay). *removed = conversations deleted. Outside a transaction
  * only (-EINVAL inside one): after what was submitted before, it folds every pending

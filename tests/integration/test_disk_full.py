@@ -198,10 +198,11 @@ def test_disk_full_with_commits_in_flight(daemon_factory, small_fs):
 
 
 def test_disk_full_mid_turn_answers_match_the_store(daemon_factory, small_fs):
-    """A commit that fails in the middle of a turn (retry_dead_letters first commits the turn
-    so far, in a transaction of its own) undoes what came before it. What the same turn does
-    after it is committed on its own, and answered as such: ok and kept, or unavailable and
-    nowhere; never unavailable and kept (the server used to fail every answer of the turn)."""
+    """A commit that fails undoes the change it held, and only that: here the big change's
+    commit fails on a full disk while retry_dead_letters, behind it in the same read, waits
+    for its move (parts committed between the turns), and the small change after it is
+    committed on its own and answered as such: ok and kept, or unavailable and nowhere;
+    never unavailable and kept (the server used to fail every answer of the turn)."""
     state = os.path.join(small_fs, "state")
     d = daemon_factory(["--state-dir", state, "--durability", "process"])
     c = d.connect()

@@ -565,6 +565,83 @@ static size_t map_bytes(const struct message *m)
 	return n;
 }
 
+/* The spool row of conversation conv (a one-letter id here): its version, 0 if none. */
+static uint32_t spooled_version(const struct spool_list *l, const char *conv)
+{
+	uint32_t v = 0;
+	for (size_t i = 0; i < l->n && i < 16; i++)
+		if (l->rows[i].conv_len == 1 && l->rows[i].conv[0] == conv[0])
+			v = v ? UINT32_MAX : l->rows[i].version; /* two rows: not one */
+	return v;
+}
+
+static void dead_letter_of(struct store *s, const char *conv, uint32_t version, int64_t at)
+{
+	CHECK(store_begin(s) == 0);
+	CHECK(store_dead_letter(s, conv, 1, "01ARZ3NDEKTSV4RRFFQ69G5FB0", version, NULL, "E", at) ==
+	      0);
+	CHECK(store_commit(s) == 0);
+}
+
+/* retry_dead_letters' move in parts (store_dead_letters_retry_part): parts of 2 dead letters,
+ * oldest first, each a transaction of its own; a message whose dead letters fall on both
+ * sides of a part's end gets one spool row at the higher version; one made after the move
+ * started (past its upto) is left for the next retry. s holds no dead letters. */
+static void check_retry_parts(struct store *s)
+{
+	struct spool_list l = {.n = 0};
+	size_t n, before = spool_rows(s).n;
+	int64_t upto = -1, first_upto;
+	bool more;
+	json_t *dl;
+
+	dead_letter_of(s, "a", 1, T0 + 90);
+	dead_letter_of(s, "b", 1, T0 + 91);
+	dead_letter_of(s, "a", 2, T0 + 92);
+	dead_letter_of(s, "c", 1, T0 + 93);
+	dead_letter_of(s, "d", 1, T0 + 94);
+	CHECK(store_begin(s) == 0);
+	CHECK(store_dead_letters_retry_part(s, T0 + 95, &upto, 2, &n, &more) == -EINVAL);
+	CHECK(n == 0 && !more && upto == -1);
+	store_rollback(s);
+
+	CHECK(store_dead_letters_retry_part(s, T0 + 95, &upto, 2, &n, &more) == 0);
+	CHECK(n == 2 && more && upto > 0);
+	first_upto = upto;
+	l = spool_rows(s);
+	CHECK(l.n == before + 2 && spooled_version(&l, "a") == 1 && spooled_version(&l, "b") == 1);
+	CHECK(spooled_version(&l, "c") == 0);
+	dead_letter_of(s, "e", 1, T0 + 96); /* after the move started */
+
+	CHECK(store_dead_letters_retry_part(s, T0 + 97, &upto, 2, &n, &more) == 0);
+	CHECK(n == 2 && more && upto == first_upto);
+	l = spool_rows(s);
+	CHECK(l.n == before + 3 && spooled_version(&l, "a") == 2 && spooled_version(&l, "c") == 1);
+
+	CHECK(store_dead_letters_retry_part(s, T0 + 98, &upto, 2, &n, &more) == 0);
+	CHECK(n == 1 && !more);
+	CHECK(store_dead_letters_retry_part(s, T0 + 98, &upto, 2, &n, &more) == 0);
+	CHECK(n == 0 && !more);
+	l = spool_rows(s);
+	CHECK(l.n == before + 4 && spooled_version(&l, "d") == 1 && spooled_version(&l, "e") == 0);
+	CHECK(store_dead_letters(s, 10, &dl) == 0 && json_array_size(dl) == 1);
+	CHECK_STR(json_string_value(json_object_get(json_array_get(dl, 0), "conversation")), "e");
+	json_decref(dl);
+
+	/* A part as large as what is left ends the move exactly: nothing more. */
+	upto = -1;
+	CHECK(store_dead_letters_retry_part(s, T0 + 99, &upto, 1, &n, &more) == 0);
+	CHECK(n == 1 && !more && upto > first_upto);
+	l = spool_rows(s);
+	CHECK(l.n == before + 5 && spooled_version(&l, "e") == 1);
+	CHECK(store_dead_letters(s, 10, &dl) == 0 && json_array_size(dl) == 0);
+	json_decref(dl);
+	/* Nothing to move: upto becomes 0 and nothing is left. */
+	upto = -1;
+	CHECK(store_dead_letters_retry_part(s, T0 + 100, &upto, 2, &n, &more) == 0);
+	CHECK(n == 0 && !more && upto == 0);
+}
+
 static void test_spool(void)
 {
 	char dir[128], sk0[DDBITEM_SK_MAX + 1], sk2[DDBITEM_SK_MAX + 1];
@@ -700,12 +777,13 @@ static void test_spool(void)
 	store_rollback(s);
 	CHECK(store_dead_letters_retry(s, T0 + 82, &n) == 0 && n == 0);
 	CHECK(spool_rows(s).n == 3);
+	check_retry_parts(s);
 	store_close(s);
 
-	/* The spool survives a restart. */
+	/* The spool survives a restart (the 3 rows above, then the 5 of check_retry_parts). */
 	if ((s = open_store(dir))) {
 		l = spool_rows(s);
-		CHECK(l.n == 3 && l.rows[2].version == 4);
+		CHECK(l.n == 8 && l.rows[2].version == 4 && spooled_version(&l, "a") == 2);
 		store_close(s);
 	}
 	convo_free(c);
