@@ -3339,23 +3339,24 @@ int store_dead_letters(struct store *s, size_t limit, json_t **out)
 
 /* ---- what the writer runs on its own ---- */
 
-/* A job of kind with arg, run to its end; *result is what it counted. */
-static int special(struct store *s, enum job_kind kind, int64_t arg, size_t *result)
+/* A job like *want (its kind and arguments), run to its end; *want then holds what it
+ * reported (result, and for a retry's part upto and more). */
+static int special(struct store *s, struct job *want)
 {
 	struct job *j;
 	int rc;
 
-	if (result)
-		*result = 0;
 	if (s->in_txn)
 		return -EINVAL;
-	if (!(j = calloc(1, sizeof(*j))))
+	if (!(j = malloc(sizeof(*j))))
 		return -ENOMEM;
-	j->kind = kind;
-	j->arg = arg;
+	*j = *want;
 	rc = job_run_sync(s, j);
-	if (!rc && result)
-		*result = j->result;
+	if (!rc) {
+		want->result = j->result;
+		want->upto = j->upto;
+		want->more = j->more;
+	}
 	job_free(j);
 	return rc == -ECANCELED ? -EIO : rc;
 }
@@ -3363,27 +3364,15 @@ static int special(struct store *s, enum job_kind kind, int64_t arg, size_t *res
 int store_dead_letters_retry_part(struct store *s, int64_t now_ms, int64_t *upto, size_t max_rows,
                                   size_t *n, bool *more)
 {
-	struct job *j;
-	int rc;
+	struct job want = {
+	    .kind = JOB_RETRY_DEAD, .arg = now_ms, .upto = *upto, .max_rows = max_rows};
+	int rc = special(s, &want);
 
-	*n = 0;
-	*more = false;
-	if (s->in_txn)
-		return -EINVAL;
-	if (!(j = calloc(1, sizeof(*j))))
-		return -ENOMEM;
-	j->kind = JOB_RETRY_DEAD;
-	j->arg = now_ms;
-	j->upto = *upto;
-	j->max_rows = max_rows;
-	rc = job_run_sync(s, j);
-	if (!rc) {
-		*n = j->result;
-		*more = j->more;
-		*upto = j->upto;
-	}
-	job_free(j);
-	return rc == -ECANCELED ? -EIO : rc;
+	*n = rc ? 0 : want.result;
+	*more = rc ? false : want.more;
+	if (!rc)
+		*upto = want.upto;
+	return rc;
 }
 
 int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n)
@@ -3396,7 +3385,11 @@ int store_dead_letters_retry(struct store *s, int64_t now_ms, size_t *n)
 
 int store_purge_closed(struct store *s, int64_t before_ms, size_t *removed)
 {
-	return special(s, JOB_PURGE, before_ms, removed);
+	struct job want = {.kind = JOB_PURGE, .arg = before_ms};
+	int rc = special(s, &want);
+
+	*removed = rc ? 0 : want.result;
+	return rc;
 }
 
 int store_idle(struct store *s)
