@@ -106,6 +106,7 @@ struct dispatch {
 	struct restore_wait *retry_wait; /* the move under way (its waiters), or NULL */
 	int64_t retry_upto;              /* its last dead letter's seq (-1 until the first part) */
 	size_t retry_moved, retry_parts; /* by the move under way so far */
+	size_t retry_pauses, retry_waits; /* its waits for the checkpoint thread: all, in a row */
 	uint64_t retry_ns;               /* the loop's time in its parts */
 	size_t retry_result;             /* what the last move ended with moved: its answer */
 	dispatch_ready_cb on_ready;
@@ -145,8 +146,13 @@ int dispatch_restore(struct dispatch *d);
 enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
 				   struct buf *out, void *waiter, enum dispatch_remote remote);
 
-/* One part of retry_dead_letters' move (a few ms). true: call again for the next. */
-bool dispatch_retry_step(struct dispatch *d);
+enum dispatch_retry {
+	DISPATCH_RETRY_DONE = 0, /* no move under way (any more) */
+	DISPATCH_RETRY_MORE,     /* call again at the next loop turn */
+	DISPATCH_RETRY_WAIT,     /* paused for the checkpoint thread: call again in a while */
+};
+/* Parts of retry_dead_letters' move, for about 2 ms. */
+enum dispatch_retry dispatch_retry_step(struct dispatch *d);
 /* The daemon stops: a move under way ends where it is (its waiters are gone). */
 void dispatch_retry_stop(struct dispatch *d);
 

@@ -34,7 +34,8 @@ struct daemon {
 	uv_signal_t sigint, sigterm;
 	uv_signal_t sighup;
 	uv_timer_t flush_timer;
-	uv_idle_t retry_idle; /* retry_dead_letters' move, a part a loop turn */
+	uv_idle_t retry_idle;   /* retry_dead_letters' move, parts each loop turn */
+	uv_timer_t retry_pause; /* or once the checkpoint thread had a while */
 	uv_async_t committed; /* the store's writer thread wakes the loop through it */
 	int signals_seen;
 	bool draining; /* sink_close has been called with on_sink_closed */
@@ -96,17 +97,30 @@ static void on_flush_timer(uv_timer_t *t)
 	}
 }
 
-static void on_retry_idle(uv_idle_t *h)
-{
-	struct daemon *d = h->data;
-	if (!dispatch_retry_step(&d->dispatch))
-		uv_idle_stop(h);
-}
+static void on_retry_idle(uv_idle_t *h);
 
 static void on_retry_soon(void *arg)
 {
 	struct daemon *d = arg;
 	uv_idle_start(&d->retry_idle, on_retry_idle);
+}
+
+static void on_retry_pause(uv_timer_t *t)
+{
+	on_retry_soon(t->data);
+}
+
+static void on_retry_idle(uv_idle_t *h)
+{
+	struct daemon *d = h->data;
+	enum dispatch_retry r = dispatch_retry_step(&d->dispatch);
+
+	if (r == DISPATCH_RETRY_MORE)
+		return;
+	uv_idle_stop(h);
+	/* Not the idle handle: the loop would spin on it while the checkpoint thread copies. */
+	if (r == DISPATCH_RETRY_WAIT)
+		uv_timer_start(&d->retry_pause, on_retry_pause, 2, 0);
 }
 
 static void on_committed(uv_async_t *h)
@@ -140,6 +154,7 @@ static void on_stopped(struct server *s)
 	uv_close((uv_handle_t *)&d->flush_timer, NULL);
 	d->dispatch.flush_soon = NULL;
 	uv_close((uv_handle_t *)&d->retry_idle, NULL);
+	uv_close((uv_handle_t *)&d->retry_pause, NULL);
 	d->dispatch.retry_soon = NULL;
 	dispatch_retry_stop(&d->dispatch);
 	/* Every conversation's last message goes to the spool, then the flusher drains it:
@@ -405,7 +420,8 @@ int main(int argc, char **argv)
 	d.dispatch.flush_soon = on_flush_soon;
 	d.dispatch.flush_soon_arg = &d;
 	uv_idle_init(&d.loop, &d.retry_idle);
-	d.retry_idle.data = &d;
+	uv_timer_init(&d.loop, &d.retry_pause);
+	d.retry_idle.data = d.retry_pause.data = &d;
 	d.dispatch.retry_soon = on_retry_soon;
 	d.dispatch.retry_soon_arg = &d;
 	log_msg(LOG_INFO, "main", "convod %s ready (%s, durability %s)", CONVOD_VERSION,

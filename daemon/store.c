@@ -1140,6 +1140,19 @@ void store_stats(struct store *s, struct store_stats *o)
 	o->wal_bytes = file_bytes(s->path, "-wal");
 }
 
+bool store_checkpoint_behind(struct store *s)
+{
+	bool behind;
+
+	if (!s->ck.started ||
+	    atomic_load_explicit(&s->ck.wal_frames, memory_order_relaxed) < s->checkpoint_pages)
+		return false;
+	pthread_mutex_lock(&s->ck.mu);
+	behind = s->ck.running || s->ck.wanted;
+	pthread_mutex_unlock(&s->ck.mu);
+	return behind;
+}
+
 uint64_t store_checkpoints(struct store *s)
 {
 	uint64_t n;
