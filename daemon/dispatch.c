@@ -1398,16 +1398,12 @@ static void retry_finish(struct dispatch *d, enum dispatch_remote outcome, bool 
 enum dispatch_retry dispatch_retry_step(struct dispatch *d)
 {
 	uint64_t t0 = mono_ns(), elapsed = 0;
-	bool more = d->retry_wait != NULL;
+	bool more = d->retry_wait != NULL, first = true;
 	int rc = 0;
 
-	/* A part is a transaction of its own: what is open (a turn waiting for one more poll,
-	 * confirmations the sink recorded) is committed first, as a flush tick would. */
-	if (more && (d->changed || store_in_transaction(d->store)) &&
-	    dispatch_commit(d, true) == DISPATCH_COMMIT_FAILED)
-		rc = -EIO;
 	/* Parts of DISPATCH_RETRY_PART rows for about DISPATCH_RETRY_SLICE_NS. */
-	while (more && rc == 0 && elapsed < DISPATCH_RETRY_SLICE_NS) {
+	while (more && elapsed < DISPATCH_RETRY_SLICE_NS) {
+		size_t n = 0;
 		/* The move writes about a WAL page a row (the dead letters' index), faster
 		 * than the checkpoint thread copies: past its threshold it waits for it, so
 		 * that a part's commit does not reach the WAL's bound and wait there (135 ms
@@ -1420,12 +1416,23 @@ enum dispatch_retry dispatch_retry_step(struct dispatch *d)
 			return DISPATCH_RETRY_WAIT;
 		}
 		d->retry_waits = 0;
-		size_t n = 0;
-		rc = store_dead_letters_retry_part(d->store, dispatch_now_ms(), &d->retry_upto,
-		                                   DISPATCH_RETRY_PART, &n, &more);
+		/* A part is a transaction of its own: what is open (a turn waiting for one
+		 * more poll, confirmations the sink recorded) is committed first, as a flush
+		 * tick would. */
+		if (first && (d->changed || store_in_transaction(d->store)) &&
+		    dispatch_commit(d, true) == DISPATCH_COMMIT_FAILED)
+			rc = -EIO;
+		first = false;
+		if (rc == 0) {
+			rc = store_dead_letters_retry_part(d->store, dispatch_now_ms(),
+			                                   &d->retry_upto, DISPATCH_RETRY_PART, &n,
+			                                   &more);
+			d->retry_parts++;
+		}
 		d->retry_moved += n;
-		d->retry_parts++;
 		elapsed = mono_ns() - t0;
+		if (rc < 0)
+			break;
 	}
 	if (!d->retry_wait)
 		return DISPATCH_RETRY_DONE;

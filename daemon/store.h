@@ -86,13 +86,13 @@ struct store_progress {
 void store_set_wake(struct store *s, void (*wake)(void *arg), void *arg);
 void store_progress(struct store *s, struct store_progress *p);
 void store_failure_ack(struct store *s);
-/* Checkpoints run since store_open: the background thread's rounds (the WAL copied back
- * into the database file once it holds STORE_CHECKPOINT_PAGES; commits never wait for
- * them) and the writer's own when the WAL reached its bound. */
 /* The WAL is past the size at which it is copied back, and the checkpoint thread is at it:
  * bulk work that can wait (retry_dead_letters' move) lets it catch up first, instead of
  * growing the WAL to its hard bound, where a commit waits for the copy. */
 bool store_checkpoint_behind(struct store *s);
+/* Checkpoints run since store_open: the background thread's rounds (the WAL copied back
+ * into the database file once it holds STORE_CHECKPOINT_PAGES; commits never wait for
+ * them) and the writer's own when the WAL reached its bound. */
 uint64_t store_checkpoints(struct store *s);
 
 /* What the store has done since store_open, for the `stats` op (proto/protocol.md). Safe
