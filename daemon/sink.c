@@ -15,6 +15,7 @@
 #include "buf.h"
 #include "ddbclient.h"
 #include "ddbitem.h"
+#include "htable.h"
 #include "log.h"
 
 #define SUBSYS "sink"
@@ -25,7 +26,6 @@
 #define TABLE_WAIT_MS 60000         /* CreateTable: how long to wait for ACTIVE */
 #define TABLE_POLL_MS 100
 #define QUERY_MAX_ITEMS (4u << 20) /* a restore collecting more gives up with -EFBIG */
-#define HT_MIN_BUCKETS 64
 #define BATCH_MAX_POPS 1024      /* ready entries one batch_send looks at, at most */
 /* A scan of the whole spool on the loop (the statistics' bytes, sink_resync's read) runs at
  * most this often... */
@@ -38,18 +38,6 @@
 #define RESYNC_CLOCK_ROWS 64 /* rows read between two looks at the clock */
 /* The statistics' count of the spool's bytes goes this many rows a slice (about 1 ms). */
 #define BYTES_SLICE_ROWS 8192
-
-/* A chained hash table of nodes embedded first in their owners. */
-struct hnode {
-	struct hnode *next;
-	uint64_t hash;
-};
-
-struct htable {
-	struct hnode **b;
-	size_t mask; /* buckets - 1 */
-	size_t n;
-};
 
 /* Pending entries of one conversation; the conversation id is kept here once. Lives while
  * pending > 0. */
@@ -260,61 +248,11 @@ static int store_write_begin(struct sink *s)
 	return rc;
 }
 
-/* --- hash tables ---------------------------------------------------------------------- */
-
-static int ht_init(struct htable *t)
-{
-	t->b = calloc(HT_MIN_BUCKETS, sizeof(*t->b));
-	if (!t->b)
-		return -ENOMEM;
-	t->mask = HT_MIN_BUCKETS - 1;
-	t->n = 0;
-	return 0;
-}
-
-/* Rehashes into nb buckets; on ENOMEM the table stays as it is (chains get longer). */
-static void ht_resize(struct htable *t, size_t nb)
-{
-	struct hnode **b = calloc(nb, sizeof(*b));
-	if (!b)
-		return;
-	for (size_t i = 0; i <= t->mask; i++) {
-		struct hnode *h = t->b[i], *next;
-		for (; h; h = next) {
-			next = h->next;
-			h->next = b[h->hash & (nb - 1)];
-			b[h->hash & (nb - 1)] = h;
-		}
-	}
-	free(t->b);
-	t->b = b;
-	t->mask = nb - 1;
-}
-
-static void ht_insert(struct htable *t, struct hnode *h)
-{
-	struct hnode **slot = &t->b[h->hash & t->mask];
-	h->next = *slot;
-	*slot = h;
-	if (++t->n > t->mask + 1)
-		ht_resize(t, 2 * (t->mask + 1));
-}
-
-static void ht_remove(struct htable *t, struct hnode *h)
-{
-	struct hnode **p = &t->b[h->hash & t->mask];
-	while (*p && *p != h)
-		p = &(*p)->next;
-	if (*p)
-		*p = h->next;
-	t->n--;
-	if (t->mask + 1 > HT_MIN_BUCKETS && t->n < (t->mask + 1) / 8)
-		ht_resize(t, (t->mask + 1) / 2);
-}
+/* --- hash tables (htable.c) ---------------------------------------------------------- */
 
 static struct conv *conv_find(const struct sink *s, const char *id, size_t len, uint64_t hash)
 {
-	for (struct hnode *h = s->convs.b[hash & s->convs.mask]; h; h = h->next) {
+	for (struct hnode *h = ht_first(&s->convs, hash); h; h = h->next) {
 		struct conv *c = (struct conv *)h;
 		if (h->hash == hash && c->len == len && memcmp(c->id, id, len) == 0)
 			return c;
@@ -330,7 +268,7 @@ static uint64_t entry_hash(const struct sink *s, const struct conv *c, const cha
 static struct entry *entry_find(const struct sink *s, const struct conv *c, const char *sk)
 {
 	uint64_t hash = entry_hash(s, c, sk);
-	for (struct hnode *h = s->entries.b[hash & s->entries.mask]; h; h = h->next) {
+	for (struct hnode *h = ht_first(&s->entries, hash); h; h = h->next) {
 		struct entry *e = (struct entry *)h;
 		if (h->hash == hash && e->conv == c && strcmp(e->sk, sk) == 0)
 			return e;
@@ -1723,6 +1661,11 @@ fail:
 	return rc;
 }
 
+static void free_node(struct hnode *h)
+{
+	free(h);
+}
+
 /* Frees everything once the client and every handle are closed, then tells the owner. */
 static void maybe_freed(struct sink *s)
 {
@@ -1731,22 +1674,8 @@ static void maybe_freed(struct sink *s)
 
 	if (!s->finishing || !s->client_closed || s->handles > 0)
 		return;
-	for (size_t i = 0; i <= s->entries.mask; i++) {
-		struct hnode *h = s->entries.b[i], *next;
-		for (; h; h = next) {
-			next = h->next;
-			free(h);
-		}
-	}
-	for (size_t i = 0; i <= s->convs.mask; i++) {
-		struct hnode *h = s->convs.b[i], *next;
-		for (; h; h = next) {
-			next = h->next;
-			free(h);
-		}
-	}
-	free(s->entries.b);
-	free(s->convs.b);
+	ht_free(&s->entries, free_node);
+	ht_free(&s->convs, free_node);
 	free(s->heap);
 	free(s->table);
 	cb = s->on_closed;
