@@ -13,13 +13,13 @@ import time
 import pytest
 
 import ddb
-from test_persistence import ddb_env, wait_until
+from conftest import scaled
+from test_persistence import _all_dead_lettered, ddb_daemon, ddb_env, store_rows, wait_until
 
 
-@pytest.fixture
-def small_fs():
+def tmpfs(size):
     d = tempfile.mkdtemp(prefix="convod-full-")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", d],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=" + size, "tmpfs", d],
                        capture_output=True, text=True)
     if r.returncode != 0:
         os.rmdir(d)
@@ -27,6 +27,16 @@ def small_fs():
     yield d
     subprocess.run(["umount", "-l", d])
     os.rmdir(d)
+
+
+@pytest.fixture
+def small_fs():
+    yield from tmpfs("2m")
+
+
+@pytest.fixture
+def fs_16m():
+    yield from tmpfs("16m")
 
 
 def fill(fs):
@@ -313,3 +323,58 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
     assert [it["sk"]["S"] for it in items] == ids, items
     assert all(it["version"] == {"N": "1"} for it in items), items
     assert d.stop() == 0, d.log()
+
+
+def test_disk_full_during_a_retry_move(daemon_factory, fs_16m, faultproxy, dynalite,
+                                       ddb_table):
+    """retry_dead_letters moves the dead letters back in parts, a transaction each; the
+    disk fills in the middle of the move: the part that does not fit fails and the client
+    is answered `unavailable`; the parts written stay moved and the rest stay dead letters,
+    each message in exactly one of the two; once there is room, a retry moves the rest."""
+    n = 5000
+    state = os.path.join(fs_16m, "state")
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table,
+                   ["--state-dir", state, "--drain-ms", "0"], start=False)
+    d.state_dir = state
+    d.start()
+    _all_dead_lettered(d, faultproxy, n, "full")
+    d.start()
+    c = d.connect()
+    # A reader's snapshot keeps the WAL from starting over: every part grows it, by about
+    # 250 kB here (5,000 dead letters of 100 conversations, 256 a part). Room for about
+    # five parts, of twenty.
+    reader = sqlite3.connect("file:%s?mode=ro" % os.path.join(state, "convod.db"), uri=True,
+                             isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM spool").fetchone()
+    spare = os.path.join(fs_16m, "spare")
+    with open(spare, "wb") as f:
+        f.write(b"\2" * (1280 * 1024))
+    filler = fill(fs_16m)
+    os.unlink(spare)
+    r = c.request({"op": "retry_dead_letters"})
+    assert not r["ok"] and r["error"]["code"] == "unavailable", r
+    assert "retry_dead_letters: cannot move dead letters" in d.log(), d.log()[-3000:]
+    assert c.ok({"op": "get_messages", "conversation": "full-7"})["messages"]  # reads go on
+    reader.execute("COMMIT")
+    reader.close()
+
+    def counts():
+        return (store_rows(state, "SELECT count(*) FROM spool")[0][0],
+                store_rows(state, "SELECT count(*) FROM dead_letters")[0][0],
+                store_rows(state, "SELECT count(*) FROM spool s JOIN dead_letters l"
+                           " ON l.conversation = s.conversation AND l.sk = s.sk")[0][0])
+
+    spool, dead, both = counts()
+    # Whole parts moved (the failed one undone), then the rest left.
+    assert 0 < spool < n and spool % 256 == 0, (spool, dead)
+    assert spool + dead == n and both == 0, (spool, dead, both)
+    assert [len(c.ok({"op": "dead_letters", "limit": 100000})["dead_letters"])] == [dead]
+    os.unlink(filler)
+    assert c.ok({"op": "retry_dead_letters"})["retried"] == dead
+    assert counts() == (n, 0, 0)
+    # The flusher reads the spool again, in slices, and holds them all.
+    wait_until(lambda: c.ok({"op": "stats"})["spool"]["items"] == n, scaled(10),
+               "the re-read")
+    c.close()
+    assert d.stop() == 0, d.log()[-3000:]

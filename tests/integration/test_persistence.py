@@ -827,6 +827,54 @@ def test_stop_during_a_retry_move(faultproxy, dynalite, ddb_table, daemon_factor
     assert d.stop() == 0, d.log()[-3000:]
 
 
+def test_second_signal_ends_a_retry_move(faultproxy, dynalite, ddb_table, daemon_factory):
+    """A second SIGTERM during a retry_dead_letters move ends it where it is, as it ends the
+    wait for held lines: the client is not answered (its connection closes), the parts
+    written stay moved and the rest stay dead letters, each message in exactly one of the
+    two, and a retry after the next start moves the rest."""
+    n = 8000 if os.environ.get("CONVOD_VALGRIND") else 40000
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, ["--drain-ms", "0"])
+    _all_dead_lettered(d, faultproxy, n, "cut")
+    d.start()
+    c = d.connect()
+    c.send({"op": "retry_dead_letters"})
+
+    def moved():
+        return store_rows(d.state_dir, "SELECT count(*) FROM spool")[0][0]
+
+    seen = d.log().count("Terminated: stopping (")  # the earlier run's stop
+    wait_until(lambda: moved() > 0, scaled(10), "the move's first part", interval=0.002)
+    d.signal(signal.SIGTERM)
+    # Two signals sent at once can arrive as one: the second after the first is seen.
+    wait_until(lambda: d.log().count("Terminated: stopping (") > seen, scaled(10),
+               "the first signal", interval=0.002)
+    d.signal(signal.SIGTERM)
+    with pytest.raises((EOFError, ConnectionError)):
+        c.recv()
+    c.close()
+    assert d.stop() == 0, d.log()[-3000:]
+    spool = moved()
+    dead = store_rows(d.state_dir, "SELECT count(*) FROM dead_letters")[0][0]
+    # A part is a transaction of 256 rows: whole parts, the last one cut off.
+    assert 0 < spool < n and spool % 256 == 0, (spool, d.log()[-3000:])
+    assert spool + dead == n, (spool, dead)
+    assert store_rows(d.state_dir, "SELECT count(*) FROM spool s JOIN dead_letters l"
+                      " ON l.conversation = s.conversation AND l.sk = s.sk")[0][0] == 0
+    if spool > 256:
+        assert re.search(r"moved %d dead letters back to the spool in %d parts .*, then "
+                         r"stopped" % (spool, spool // 256), d.log()), d.log()[-3000:]
+    d.start()
+    c = d.connect()
+    assert stats(c)["spool"]["items"] == spool
+    r = c.ok({"op": "retry_dead_letters"})
+    assert r["retried"] == dead, r
+    assert c.ok({"op": "dead_letters"})["dead_letters"] == []
+    c.close()
+    assert d.stop() == 0, d.log()[-3000:]
+    assert store_rows(d.state_dir, "SELECT count(*) FROM dead_letters")[0][0] == 0
+    assert store_rows(d.state_dir, "SELECT count(*) FROM spool")[0][0] == n
+
+
 def test_retry_reads_a_large_spool_in_slices(faultproxy, dynalite, ddb_table, daemon_factory):
     """retry_dead_letters puts the rows back in the spool and the flusher reads the spool
     again to take them: a read of the whole spool, which at a million rows takes about a
