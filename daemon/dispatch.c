@@ -804,38 +804,51 @@ static int spool_one(void *arg, int64_t seq, const char *conv, size_t conv_len, 
 static json_t *store_stats_json(struct dispatch *d)
 {
 	struct store_stats st;
-	json_t *fold, *cohort, *res;
+	json_t *fold, *cohort, *retry, *res;
+	bool moving;
 
 	if (!d->store)
 		return json_null();
 	store_stats(d->store, &st);
+	/* The move under way counts as it goes, so that its progress shows. */
+	moving = d->retry_wait != NULL;
+	retry =
+	    json_pack("{s:b, s:I, s:I, s:I, s:I, s:I}", "running", moving, "moves",
+	              (json_int_t)d->retry_ended.moves, "moved",
+	              (json_int_t)(d->retry_ended.moved + (moving ? d->retry_moved : 0)), "parts",
+	              (json_int_t)(d->retry_ended.parts + (moving ? d->retry_parts : 0)), "pauses",
+	              (json_int_t)(d->retry_ended.pauses + (moving ? d->retry_pauses : 0)), "ns",
+	              (json_int_t)(d->retry_ended.ns + (moving ? d->retry_ns : 0)));
+	if (!retry)
+		return NULL;
 	fold =
 	    json_pack("{s:I, s:I, s:I, s:I, s:I}", "cycles", (json_int_t)st.fold_cycles, "segments",
 	              (json_int_t)st.fold_segments, "records", (json_int_t)st.fold_records, "ns",
 	              (json_int_t)st.fold_ns, "dead_batches", (json_int_t)st.dead_batches);
-	if (!fold)
-		return NULL;
 	cohort = json_pack("{s:I, s:I, s:I}", "waits", (json_int_t)st.cohort_waits, "short",
 	                   (json_int_t)st.cohort_short, "ns", (json_int_t)st.cohort_ns);
-	if (!cohort) {
+	if (!fold || !cohort) {
 		json_decref(fold);
+		json_decref(cohort);
+		json_decref(retry);
 		return NULL;
 	}
 	/* O, not o: whether a failed json_pack frees what o hands it depends on the version. */
-	res =
-	    json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O, s:O, s:I, s:I, s:I, s:I, s:I, "
-	              "s:I, s:I, s:I, s:I, s:I}",
-	              "durability", store_durability_str(d->cfg->durability), "commits",
-	              (json_int_t)st.commits, "turns", (json_int_t)st.turns, "inline_commits",
-	              (json_int_t)st.inline_commits, "records", (json_int_t)st.records, "commit_ns",
-	              (json_int_t)st.commit_ns, "commit_max_ns", (json_int_t)st.commit_max_ns,
-	              "pending_records", (json_int_t)st.pending, "fold", fold, "cohort", cohort,
-	              "checkpoints", (json_int_t)st.checkpoints, "catch_ups",
-	              (json_int_t)st.catch_ups, "bound_waits", (json_int_t)st.bound_waits,
-	              "checkpoint_ns", (json_int_t)st.checkpoint_ns, "wal_writebacks",
-	              (json_int_t)st.wal_writebacks, "wal_pages", (json_int_t)st.wal_pages,
-	              "wal_syncs", (json_int_t)st.wal_syncs, "db_syncs", (json_int_t)st.db_syncs,
-	              "db_bytes", (json_int_t)st.db_bytes, "wal_bytes", (json_int_t)st.wal_bytes);
+	res = json_pack(
+	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O, s:O, s:I, s:I, s:I, s:I, s:I, "
+	    "s:I, s:I, s:I, s:I, s:I, s:O}",
+	    "durability", store_durability_str(d->cfg->durability), "commits",
+	    (json_int_t)st.commits, "turns", (json_int_t)st.turns, "inline_commits",
+	    (json_int_t)st.inline_commits, "records", (json_int_t)st.records, "commit_ns",
+	    (json_int_t)st.commit_ns, "commit_max_ns", (json_int_t)st.commit_max_ns,
+	    "pending_records", (json_int_t)st.pending, "fold", fold, "cohort", cohort,
+	    "checkpoints", (json_int_t)st.checkpoints, "catch_ups", (json_int_t)st.catch_ups,
+	    "bound_waits", (json_int_t)st.bound_waits, "checkpoint_ns",
+	    (json_int_t)st.checkpoint_ns, "wal_writebacks", (json_int_t)st.wal_writebacks,
+	    "wal_pages", (json_int_t)st.wal_pages, "wal_syncs", (json_int_t)st.wal_syncs,
+	    "db_syncs", (json_int_t)st.db_syncs, "db_bytes", (json_int_t)st.db_bytes, "wal_bytes",
+	    (json_int_t)st.wal_bytes, "retry", retry);
+	json_decref(retry);
 	json_decref(cohort);
 	json_decref(fold);
 	return res;
@@ -1382,6 +1395,11 @@ static void retry_finish(struct dispatch *d, enum dispatch_remote outcome, bool 
 
 	d->retry_wait = NULL;
 	d->retry_result = d->retry_moved;
+	d->retry_ended.moves++;
+	d->retry_ended.moved += d->retry_moved;
+	d->retry_ended.parts += d->retry_parts;
+	d->retry_ended.pauses += d->retry_pauses;
+	d->retry_ended.ns += d->retry_ns;
 	if (d->retry_parts > 1)
 		log_msg(LOG_INFO, "store",
 		        "retry_dead_letters moved %zu dead letters back to the spool in %zu parts "
@@ -2003,8 +2021,14 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			 * waited for: the count is what it moved. */
 			if (dispatch_commit(d, true) == DISPATCH_COMMIT_FAILED)
 				rc = -EIO;
-			if (rc == 0)
+			if (rc == 0) {
+				uint64_t t0 = mono_ns();
 				rc = store_dead_letters_retry(d->store, dispatch_now_ms(), &n);
+				d->retry_ended.moves++;
+				d->retry_ended.parts++;
+				d->retry_ended.moved += n;
+				d->retry_ended.ns += mono_ns() - t0;
+			}
 			if (rc < 0) {
 				out->len = start;
 				error_set(&err, ERR_UNAVAILABLE,

@@ -109,6 +109,11 @@ struct dispatch {
 	size_t retry_pauses, retry_waits; /* its waits for the checkpoint thread: all, in a row */
 	uint64_t retry_ns;               /* the loop's time in its parts */
 	size_t retry_result;             /* what the last move ended with moved: its answer */
+	/* The moves ended since start, at once or in parts, and what they did (stats'
+	 * store.retry adds the move under way). */
+	struct {
+		uint64_t moves, moved, parts, pauses, ns;
+	} retry_ended;
 	dispatch_ready_cb on_ready;
 	struct buf scratch;       /* decoded request strings of the fast path */
 	bool no_fast_path;        /* read every request with jansson (tests compare both) */

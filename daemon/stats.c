@@ -138,6 +138,11 @@ static bool prom_is_counter(const char *name)
 	    "convod_store_records",
 	    "convod_store_commit_ns",
 	    "convod_store_fold_cycles",
+	    "convod_store_retry_moves",
+	    "convod_store_retry_moved",
+	    "convod_store_retry_parts",
+	    "convod_store_retry_pauses",
+	    "convod_store_retry_ns",
 	    "convod_store_fold_segments",
 	    "convod_store_fold_records",
 	    "convod_store_fold_ns",
@@ -168,6 +173,8 @@ static void prom_sample(struct pbuf *b, const char *name, const char *labels, co
 		             (long long)json_integer_value(v));
 	else if (json_is_real(v))
 		n = snprintf(line, sizeof(line), "%s%s %.17g\n", name, labels, json_real_value(v));
+	else if (json_is_boolean(v)) /* a gauge of 1 or 0 */
+		n = snprintf(line, sizeof(line), "%s%s %d\n", name, labels, json_is_true(v));
 	else
 		return;
 	if (n > 0 && (size_t)n < sizeof(line))
@@ -226,7 +233,7 @@ static void prom_walk(struct pbuf *b, const char *prefix, const json_t *obj)
 			}
 		} else if (json_is_object(v)) {
 			prom_walk(b, name, v);
-		} else if (json_is_number(v)) {
+		} else if (json_is_number(v) || json_is_boolean(v)) {
 			prom_head(b, name);
 			prom_sample(b, name, "", v);
 		}

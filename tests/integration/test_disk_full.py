@@ -370,9 +370,15 @@ def test_disk_full_during_a_retry_move(daemon_factory, fs_16m, faultproxy, dynal
     assert 0 < spool < n and spool % 256 == 0, (spool, dead)
     assert spool + dead == n and both == 0, (spool, dead, both)
     assert [len(c.ok({"op": "dead_letters", "limit": 100000})["dead_letters"])] == [dead]
+    retry = c.ok({"op": "stats"})["store"]["retry"]
+    assert [retry["running"], retry["moves"], retry["moved"]] == [False, 1, spool], retry
+    # The failed part was tried too.
+    assert retry["parts"] == spool // 256 + 1, retry
     os.unlink(filler)
     assert c.ok({"op": "retry_dead_letters"})["retried"] == dead
     assert counts() == (n, 0, 0)
+    retry = c.ok({"op": "stats"})["store"]["retry"]
+    assert [retry["running"], retry["moves"], retry["moved"]] == [False, 2, n], retry
     # The flusher reads the spool again, in slices, and holds them all.
     wait_until(lambda: c.ok({"op": "stats"})["spool"]["items"] == n, scaled(10),
                "the re-read")

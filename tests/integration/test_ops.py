@@ -968,6 +968,8 @@ def test_stats_store(daemon_factory):
     assert s1["commit_max_ns"] * commits >= s1["commit_ns"] - s0["commit_ns"]
     assert s1["inline_commits"] <= s1["commits"]
     assert s1["cohort"] == {"waits": 0, "short": 0, "ns": 0}  # machine only
+    assert s1["retry"] == {"running": False, "moves": 0, "moved": 0, "parts": 0, "pauses": 0,
+                           "ns": 0}  # no retry_dead_letters yet
     assert s1["db_bytes"] > 0 and s1["wal_bytes"] > 0 and s1["wal_pages"] > 0
     # A quiet tick folds what is pending into segments, one per conversation here.
     deadline = time.monotonic() + 20 * scale
@@ -990,6 +992,9 @@ def test_stats_store(daemon_factory):
     assert "# TYPE convod_store_db_syncs counter" in text
     assert re.search(r"^convod_store_cohort_short 0$", text, re.M)
     assert re.search(r"^convod_store_fold_dead_batches 0$", text, re.M)
+    assert "# TYPE convod_store_retry_moved counter" in text
+    assert "# TYPE convod_store_retry_running gauge" in text
+    assert re.search(r"^convod_store_retry_running 0$", text, re.M)  # a boolean: 1 or 0
     assert "durability" not in text  # strings are left out
     # machine: every commit goes through the writer thread, which syncs it.
     m = daemon_factory(["--durability", "machine"]).connect()

@@ -892,15 +892,21 @@ def test_retry_reads_a_large_spool_in_slices(faultproxy, dynalite, ddb_table, da
     # after the re-read's first slice: the flusher holds part of the rows. Later ones are
     # answered between the slices that follow, one a loop turn, until it holds them all.
     c.send_raw(b'{"op":"retry_dead_letters"}\n{"op":"stats"}\n')
-    pings = 0
+    pings, progress = 0, []
     while not c.buf and not select.select([c.sock], [], [], 0)[0]:
         p.ok({"op": "ping"})
         pings += 1
         if pings == 1:
             j.send({"op": "retry_dead_letters"})
+        # stats shows the move under way, and how far it got.
+        retry = stats(p)["store"]["retry"]
+        if retry["running"]:
+            progress.append(retry["moved"])
     r = c.recv()
     assert r["ok"] and r["result"]["retried"] == n, r
     assert pings >= 5, pings
+    assert len(progress) >= 5 and progress == sorted(progress), progress
+    assert progress[-1] > progress[0] and 0 <= progress[0] and progress[-1] <= n, progress
     r = j.recv()
     assert r["ok"] and r["result"]["retried"] == n, r
     m = re.search(r"moved (\d+) dead letters back to the spool in (\d+) parts \(\d+ ms on the"
@@ -910,6 +916,11 @@ def test_retry_reads_a_large_spool_in_slices(faultproxy, dynalite, ddb_table, da
     # thread copies it (16,000 pages), and the move waits for that copy rather than write on.
     if not os.environ.get("CONVOD_VALGRIND"):
         assert int(m.group(3)) > 0, m.group(0)
+    # One move (the joining retry is not another), counted whole.
+    retry = stats(p)["store"]["retry"]
+    assert retry["running"] is False and retry["moves"] == 1 and retry["moved"] == n, retry
+    assert [retry["parts"], retry["pauses"]] == [int(m.group(2)), int(m.group(3))], retry
+    assert retry["ns"] >= int(re.search(r"\((\d+) ms on the loop", m.group(0)).group(1)) * 10**6
     p.close()
     j.close()
     r = c.recv()
