@@ -1092,6 +1092,7 @@ static void bytes_slice(struct sink *s)
 	s->bytes_ns += uv_hrtime() - t0;
 	if (rc < 0) {
 		s->bytes_counting = false; /* the last count stays; counted again when due */
+		s->spool_bytes_valid = true;
 		s->spool_bytes_at = uv_now(s->loop);
 		return;
 	}
@@ -1100,6 +1101,7 @@ static void bytes_slice(struct sink *s)
 		return;
 	s->bytes_counting = false;
 	s->spool_bytes = s->bytes_sum;
+	s->spool_bytes_valid = true;
 	s->spool_bytes_at = uv_now(s->loop);
 	s->spool_scan_ms = s->bytes_ns / 1000000u;
 }
@@ -1158,11 +1160,14 @@ int sink_resync(struct sink *s)
 
 void sink_spool_counted(struct sink *s, uint64_t items, uint64_t bytes, uint64_t took_ms)
 {
-	if (s && s->table && items > BYTES_SLICE_ROWS) {
+	if (s && s->table) {
+		/* The count before, for the first answers of a spool that grew past
+		 * BYTES_SLICE_ROWS before any stats: its first count runs in slices too. */
 		s->spool_bytes = bytes;
-		s->spool_bytes_valid = true;
 		s->spool_bytes_at = uv_now(s->loop);
 		s->spool_scan_ms = took_ms;
+		/* A small one is counted again at once by the first stats. */
+		s->spool_bytes_valid = items > BYTES_SLICE_ROWS;
 	}
 }
 
@@ -1216,11 +1221,11 @@ json_t *sink_stats_spool(struct sink *s)
 		uint64_t now = uv_now(s->loop);
 		int64_t age;
 
-		bool due = rescan_due(now, s->spool_bytes_at, s->spool_scan_ms);
-		if (!s->spool_bytes_valid ||
-		    (due && !s->bytes_counting && s->depth <= BYTES_SLICE_ROWS)) {
-			/* The first count (but for a large spool, which the daemon's start
-			 * counted: sink_spool_counted), or one of a small spool: at once. */
+		bool due =
+		    !s->spool_bytes_valid || rescan_due(now, s->spool_bytes_at, s->spool_scan_ms);
+		if (due && !s->bytes_counting && s->depth <= BYTES_SLICE_ROWS) {
+			/* The first count of a small spool (a large one at start was counted
+			 * then: sink_spool_counted), or a later one: at once. */
 			uint64_t t0 = uv_hrtime(), n = 0, b = 0;
 			int64_t first = 0;
 			if (store_spool_stats(s->store, &n, &b, &first) == 0) {
@@ -1230,7 +1235,9 @@ json_t *sink_stats_spool(struct sink *s)
 			s->spool_bytes_at = now;
 			s->spool_scan_ms = (uv_hrtime() - t0) / 1000000u;
 		} else if (due && !s->bytes_counting) {
-			/* Counted again in slices: this answer has the last count. */
+			/* Counted again in slices: this answer has the last count (the start's,
+			 * for a spool that grew large before the first stats: a count of a
+			 * million rows at once held the loop 155 ms). */
 			s->bytes_counting = true;
 			s->bytes_seq = 0;
 			s->bytes_sum = s->bytes_ns = 0;

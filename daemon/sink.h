@@ -96,9 +96,10 @@ int sink_resync(struct sink *s);
 void sink_reread(struct sink *s);
 /* The spool's rows and bytes as the daemon's start counted them (store_spool_stats, which
  * took took_ms). The statistics count the bytes again at most once a second and 1/50 of
- * the time: a spool of up to 8192 rows at once, as the first count without this one; a
- * larger one in the background, in slices of the loop's time, the last count standing
- * meanwhile (this one, first). Accepts NULL. */
+ * the time: a spool of up to 8192 rows at once (and at the first stats, if it was that
+ * small at start); a larger one in the background, in slices of the loop's time, the last
+ * count standing meanwhile (this one, first, also for a spool that grew large before the
+ * first stats). Accepts NULL. */
 void sink_spool_counted(struct sink *s, uint64_t items, uint64_t bytes, uint64_t took_ms);
 
 /* Entries of that conversation not yet confirmed or dead-lettered (0 for a local sink). */

@@ -962,6 +962,31 @@ def test_retry_reads_a_large_spool_in_slices(faultproxy, dynalite, ddb_table, da
     assert d.stop() == 0, d.log()[-3000:]
 
 
+def test_first_stats_of_a_large_spool_counts_it_in_slices(faultproxy, dynalite, ddb_table,
+                                                          daemon_factory):
+    """The statistics' spool bytes: a spool that grew past 8192 rows before the first
+    stats (an outage since the start, no monitoring yet) is counted in slices too, not at
+    once (155 ms of the loop at a million rows): the first answer has the count before,
+    the start's (of an empty spool here), and a later one the whole count."""
+    n = 10000
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, ["--drain-ms", "0"])
+    c = d.connect()
+    faultproxy.set_down(True)
+    convs = ["first-stats-%d" % k for k in range(100)]
+    for k in range(n // 1000):
+        _pipelined_adds(c, convs, 10, "m%d" % k)
+    c.ok({"op": "flush"})
+    wait_until(lambda: store_rows(d.state_dir, "SELECT count(*) FROM spool")[0][0] == n,
+               scaled(30), "the whole spool")
+    want = spool_bytes(d.state_dir)
+    assert want > n * 50, want
+    st = stats(c)["spool"]
+    assert st["items"] == n and st["bytes"] == 0, st
+    wait_until(lambda: stats(c)["spool"]["bytes"] == want, scaled(10), "the count in slices")
+    c.close()
+    assert d.stop() == 0, d.log()[-3000:]
+
+
 # --- 6. a long outage -------------------------------------------------------------------
 
 
