@@ -19,12 +19,6 @@
  * pending": this many changes to send since the last tick (ten rounds of full batches at
  * the default 25 items and 8 in flight) ask for a tick now (dispatch.flush_soon). */
 #define DISPATCH_FLUSH_SOON_CHANGES 2000
-/* retry_dead_letters moves at most this many dead letters a transaction, and goes on for
- * about this long a loop turn. */
-#define DISPATCH_RETRY_PART 256
-#define DISPATCH_RETRY_SLICE_NS 2000000
-/* It waits for the checkpoint thread at most this many times in a row, 2 ms each. */
-#define DISPATCH_RETRY_WAITS_MAX 100
 
 int64_t dispatch_now_ms(void)
 {

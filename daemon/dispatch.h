@@ -151,6 +151,13 @@ int dispatch_restore(struct dispatch *d);
 enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t len,
 				   struct buf *out, void *waiter, enum dispatch_remote remote);
 
+/* retry_dead_letters moves at most this many dead letters a transaction, and goes on for
+ * about this long a loop turn. */
+#define DISPATCH_RETRY_PART 256
+#define DISPATCH_RETRY_SLICE_NS 2000000
+/* It waits for the checkpoint thread at most this many times in a row, 2 ms each. */
+#define DISPATCH_RETRY_WAITS_MAX 100
+
 enum dispatch_retry {
 	DISPATCH_RETRY_DONE = 0, /* no move under way (any more) */
 	DISPATCH_RETRY_MORE,     /* call again at the next loop turn */

@@ -304,6 +304,7 @@ struct checkpointer {
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
 	bool started, stop, wanted;
+	bool held;         /* store_hold_checkpoints */
 	bool running;      /* a checkpoint runs: the thread's, or the writer's own */
 	int last_rc;       /* SQLite code of the last checkpoint */
 	int reported_rc;   /* what wal_hook last logged */
@@ -861,7 +862,8 @@ static void *checkpointer_main(void *arg)
 	pthread_setname_np(pthread_self(), "convod-ckpt");
 	pthread_mutex_lock(&ck->mu);
 	for (;;) {
-		while ((!ck->wanted || ck->running) && !ck->writeback_wanted && !ck->stop)
+		while ((!ck->wanted || ck->running || ck->held) && !ck->writeback_wanted &&
+		       !ck->stop)
 			pthread_cond_wait(&ck->cv, &ck->mu);
 		if (ck->stop)
 			break;
@@ -2544,6 +2546,14 @@ void store_set_cohort_wait(struct store *s, uint64_t ns)
 	pthread_mutex_lock(&s->qmu);
 	s->cohort_wait_ns = ns;
 	pthread_mutex_unlock(&s->qmu);
+}
+
+void store_hold_checkpoints(struct store *s, bool hold)
+{
+	pthread_mutex_lock(&s->ck.mu);
+	s->ck.held = hold;
+	pthread_cond_signal(&s->ck.cv);
+	pthread_mutex_unlock(&s->ck.mu);
 }
 
 void store_set_wal_pages(struct store *s, int checkpoint, int hard, int catch_up)

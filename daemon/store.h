@@ -55,6 +55,9 @@ void store_set_wal_writeback(struct store *s, int pages);
 /* For tests: how long after a commit at durability machine the writer may wait for the next
  * cohort (cohort_wait in store.c; 400 us). */
 void store_set_cohort_wait(struct store *s, uint64_t ns);
+/* For tests: holds the checkpoint thread before its next round, as a disk too slow for it
+ * would (a round asked meanwhile stays asked), or lets it go on. */
+void store_hold_checkpoints(struct store *s, bool hold);
 
 /* One transaction per loop turn, written by the store's writer thread. store_begin opens
  * it (0, or -EINVAL when one is open already); the writes below record into it; nothing is

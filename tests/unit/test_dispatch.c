@@ -159,9 +159,105 @@ static void test_retention_schedule(void)
 	CHECK(rmdir(dir) == 0);
 }
 
+static void *ready_waiter;
+static enum dispatch_remote ready_outcome;
+static int readies, soon_calls;
+
+static void on_ready(void *waiter, enum dispatch_remote outcome)
+{
+	ready_waiter = waiter;
+	ready_outcome = outcome;
+	readies++;
+}
+
+static void retry_soon(void *arg)
+{
+	(void)arg;
+	soon_calls++;
+}
+
+/* retry_dead_letters' move waits while the checkpoint thread is behind (the WAL past its
+ * threshold and a round asked or running), but at most DISPATCH_RETRY_WAITS_MAX times in a
+ * row: with the thread held for good (a disk too slow for it), the move still ends, one
+ * part after each DISPATCH_RETRY_WAITS_MAX waits, and its client gets the whole count. */
+static void test_retry_waits_capped(void)
+{
+	static const char line[] = "{\"id\":7,\"op\":\"retry_dead_letters\"}";
+	const char *tmp = getenv("TMPDIR");
+	char dir[256], err[256], path[300];
+	size_t waits = 0, in_a_row = 0, most_in_a_row = 0, steps = 0;
+	const size_t n = 4 * DISPATCH_RETRY_PART - 24, parts = 4;
+	enum dispatch_retry r;
+	struct config cfg;
+	uint64_t items = 0, bytes = 0;
+	int64_t oldest = 0;
+	int waiter;
+
+	snprintf(dir, sizeof(dir), "%s/test_dispatch.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	CHECK(mkdtemp(dir) != NULL);
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	/* A round is asked past 8 WAL pages, never done; no hard bound in reach. */
+	store_set_wal_pages(s, 8, 1 << 30, 0);
+	store_hold_checkpoints(s, true);
+	CHECK(store_begin(s) == 0);
+	for (size_t i = 0; i < n; i++) {
+		char conv[32];
+		int len = snprintf(conv, sizeof(conv), "conv-%zu", i);
+		CHECK(store_dead_letter(s, conv, (size_t)len, "01ARZ3NDEKTSV4RRFFQ69G5FB0", 1, NULL,
+		                        "refused", dispatch_now_ms()) == 0);
+	}
+	CHECK(store_commit(s) == 0);
+
+	config_defaults(&cfg);
+	CHECK(dispatch_init(&d, &cfg, s, NULL) == 0);
+	d.on_ready = on_ready;
+	d.retry_soon = retry_soon;
+	out.len = 0;
+	CHECK(dispatch_line(&d, line, sizeof(line) - 1, &out, &waiter, DISPATCH_REMOTE_CHECK) ==
+	      DISPATCH_WAIT);
+	CHECK(out.len == 0 && soon_calls == 1 && readies == 0);
+	do {
+		size_t parts_before = d.retry_parts;
+		r = dispatch_retry_step(&d);
+		/* A step that wrote a part restarts the count, and may end in a wait. */
+		if (d.retry_wait && d.retry_parts != parts_before)
+			in_a_row = 0;
+		in_a_row += r == DISPATCH_RETRY_WAIT;
+		waits += r == DISPATCH_RETRY_WAIT;
+		if (in_a_row > most_in_a_row)
+			most_in_a_row = in_a_row;
+	} while (r != DISPATCH_RETRY_DONE && ++steps < 100000);
+	CHECK(r == DISPATCH_RETRY_DONE);
+	/* Every part came after the longest wait allowed, and none sooner. */
+	CHECK(most_in_a_row == DISPATCH_RETRY_WAITS_MAX);
+	CHECK(waits == parts * DISPATCH_RETRY_WAITS_MAX);
+	CHECK(d.retry_ended.moves == 1 && d.retry_ended.moved == n);
+	CHECK(d.retry_ended.parts == parts && d.retry_ended.pauses == waits);
+	CHECK(readies == 1 && ready_waiter == &waiter && ready_outcome == DISPATCH_REMOTE_ABSENT);
+	/* The line again, as the server sends it once ready: the whole count. */
+	out.len = 0;
+	CHECK(dispatch_line(&d, line, sizeof(line) - 1, &out, &waiter, DISPATCH_REMOTE_ABSENT) ==
+	      DISPATCH_DONE);
+	CHECK(out.len > 0 && memmem(out.data, out.len, "\"retried\":1000", 14) != NULL);
+	CHECK(store_spool_stats(s, &items, &bytes, &oldest) == 0 && items == n);
+
+	store_hold_checkpoints(s, false);
+	CHECK(store_sync(s) == 0);
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(&cfg);
+	store_close(s);
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	CHECK(unlink(path) == 0);
+	CHECK(rmdir(dir) == 0);
+}
+
 int main(void)
 {
 	log_set_level(LOG_INFO);
 	test_retention_schedule();
+	test_retry_waits_capped();
 	return test_done("dispatch");
 }
