@@ -82,17 +82,40 @@ static char *tick(void)
 	return capture_end();
 }
 
-static void test_retention_schedule(void)
+/* Opens s, a store in a new directory dir (dir_size bytes): false when it cannot. */
+static bool open_store(char *dir, size_t dir_size)
 {
 	const char *tmp = getenv("TMPDIR");
-	char dir[256], err[256], path[300], *log;
+	char err[256];
+
+	snprintf(dir, dir_size, "%s/test_dispatch.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	CHECK(mkdtemp(dir) != NULL);
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	return s != NULL;
+}
+
+/* Frees d and cfg, closes s and removes its directory. */
+static void close_store(const char *dir, struct config *cfg)
+{
+	char path[300];
+
+	CHECK(store_sync(s) == 0);
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(cfg);
+	store_close(s);
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	CHECK(unlink(path) == 0);
+	CHECK(rmdir(dir) == 0);
+}
+
+static void test_retention_schedule(void)
+{
+	char dir[256], *log;
 	struct config cfg;
 	int64_t due;
 
-	snprintf(dir, sizeof(dir), "%s/test_dispatch.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-	CHECK(mkdtemp(dir) != NULL);
-	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
-	if (!s)
+	if (!open_store(dir, sizeof(dir)))
 		return;
 	config_defaults(&cfg);
 	cfg.closed_retention_days = 30;
@@ -148,15 +171,7 @@ static void test_retention_schedule(void)
 	free(tick());
 	free(tick());
 	CHECK(stored("kept") && stored("open"));
-
-	CHECK(store_sync(s) == 0);
-	buf_free(&out);
-	dispatch_free(&d);
-	config_free(&cfg);
-	store_close(s);
-	snprintf(path, sizeof(path), "%s/convod.db", dir);
-	CHECK(unlink(path) == 0);
-	CHECK(rmdir(dir) == 0);
+	close_store(dir, &cfg);
 }
 
 static void *ready_waiter;
@@ -183,8 +198,7 @@ static void retry_soon(void *arg)
 static void test_retry_waits_capped(void)
 {
 	static const char line[] = "{\"id\":7,\"op\":\"retry_dead_letters\"}";
-	const char *tmp = getenv("TMPDIR");
-	char dir[256], err[256], path[300];
+	char dir[256];
 	size_t waits = 0, in_a_row = 0, most_in_a_row = 0, steps = 0;
 	const size_t n = 4 * DISPATCH_RETRY_PART - 24, parts = 4;
 	enum dispatch_retry r;
@@ -193,10 +207,7 @@ static void test_retry_waits_capped(void)
 	int64_t oldest = 0;
 	int waiter;
 
-	snprintf(dir, sizeof(dir), "%s/test_dispatch.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-	CHECK(mkdtemp(dir) != NULL);
-	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
-	if (!s)
+	if (!open_store(dir, sizeof(dir)))
 		return;
 	/* A round is asked past 8 WAL pages, never done; no hard bound in reach. */
 	store_set_wal_pages(s, 8, 1 << 30, 0);
@@ -244,14 +255,7 @@ static void test_retry_waits_capped(void)
 	CHECK(store_spool_stats(s, &items, &bytes, &oldest) == 0 && items == n);
 
 	store_hold_checkpoints(s, false);
-	CHECK(store_sync(s) == 0);
-	buf_free(&out);
-	dispatch_free(&d);
-	config_free(&cfg);
-	store_close(s);
-	snprintf(path, sizeof(path), "%s/convod.db", dir);
-	CHECK(unlink(path) == 0);
-	CHECK(rmdir(dir) == 0);
+	close_store(dir, &cfg);
 }
 
 int main(void)
