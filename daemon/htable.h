@@ -8,9 +8,9 @@
 #include <stdint.h>
 
 #define HT_MIN_BUCKETS 64
-#define HT_MOVE_STEP                                                                               \
-	32 /* old buckets moved by each insert or remove during a resize: a halving                \
-	    * (at 1/8 full) must be done before the next one is due */
+/* Old buckets moved by each insert or remove during a resize: a halving (at 1/8 full) must
+ * be done before the next one is due. */
+#define HT_MOVE_STEP 32
 
 struct hnode {
 	struct hnode *next;

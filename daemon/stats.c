@@ -138,11 +138,6 @@ static bool prom_is_counter(const char *name)
 	    "convod_store_records",
 	    "convod_store_commit_ns",
 	    "convod_store_fold_cycles",
-	    "convod_store_retry_moves",
-	    "convod_store_retry_moved",
-	    "convod_store_retry_parts",
-	    "convod_store_retry_pauses",
-	    "convod_store_retry_ns",
 	    "convod_store_fold_segments",
 	    "convod_store_fold_records",
 	    "convod_store_fold_ns",
@@ -156,6 +151,11 @@ static bool prom_is_counter(const char *name)
 	    "convod_store_wal_writebacks",
 	    "convod_store_wal_syncs",
 	    "convod_store_db_syncs",
+	    "convod_store_retry_moves",
+	    "convod_store_retry_moved",
+	    "convod_store_retry_parts",
+	    "convod_store_retry_pauses",
+	    "convod_store_retry_ns",
 	};
 	for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++)
 		if (strcmp(name, counters[i]) == 0)
