@@ -80,14 +80,13 @@ static void buf_size(struct tbuf *b, size_t v)
 
 struct convo *convo_new(const char *id, size_t id_len)
 {
-	struct convo *c = calloc(1, sizeof(*c));
-	if (!c)
+	/* The id lies right after the struct, in the same block: one allocation fewer, and
+	 * the registry's lookup, which reads the struct, compares the id next to it. */
+	struct convo *c;
+
+	if (id_len > SIZE_MAX - sizeof(*c) - 1 || !(c = calloc(1, sizeof(*c) + id_len + 1)))
 		return NULL;
-	c->id = malloc(id_len + 1);
-	if (!c->id) {
-		free(c);
-		return NULL;
-	}
+	c->id = (char *)(c + 1);
 	if (id_len)
 		memcpy(c->id, id, id_len);
 	c->id[id_len] = '\0';
@@ -103,7 +102,6 @@ void convo_free(struct convo *c)
 	for (size_t i = 0; i < c->nlog; i++)
 		message_free(c->log[i]);
 	free(c->log);
-	free(c->id);
 	free(c);
 }
 

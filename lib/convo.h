@@ -26,7 +26,7 @@ struct convo_env {
 };
 
 struct convo {
-	char *id;               /* owned, NUL-terminated; id_len bytes */
+	char *id; /* NUL-terminated, id_len bytes; after the struct */
 	size_t id_len;
 	struct message **log;   /* nlog owned messages, in log order */
 	size_t nlog, cap;
