@@ -233,11 +233,11 @@ def test_durability_none_loses_at_most_a_flush_interval(daemon_factory):
 
 @pytest.mark.parametrize("durability", ["process", "machine"])
 def test_commits_sync_as_the_durability_promises(durability, daemon_factory):
-    """A power loss cannot be staged here, so what `machine` promises beyond `process` is
-    checked where it comes from: every acknowledged commit at `machine` synced the WAL
-    before its answer (stats' wal_syncs, counted by the VFS once the real sync returned),
-    and at `process` no commit syncs (only checkpoints do, which these few pages start
-    none of)."""
+    """What `machine` promises beyond `process` (test_powercut.py stages the power loss
+    itself), checked where it comes from: every acknowledged commit at `machine` synced
+    the WAL before its answer (stats' wal_syncs, counted by the VFS once the real sync
+    returned), and at `process` no commit syncs (only checkpoints do, which these few
+    pages start none of)."""
     c = daemon_factory(["--durability", durability]).connect()
     c.ok({"op": "add_user", "conversation": "sync", "contents": "first"})
     s0 = c.ok({"op": "stats"})["store"]
