@@ -10,10 +10,14 @@
  * journal or a WAL). POWERCUT_LOG: the record, appended. Without both, nothing is
  * recorded.
  *
- * A record: one byte of kind ('W' write, 'T' truncate, 'S' sync, 'U' unlink), then the
- * path's length (4 bytes), the offset or size (8) and the data's length (8), all little
- * endian, then the path and the data (writes only). Records are written under one lock, in
- * the order the calls returned, by a plain write to the log (O_APPEND). */
+ * Whatever the process writes to a socket (its answers) is recorded too, with an empty
+ * path and the descriptor for offset, so that the test knows which answers had been sent
+ * at any point of the record.
+ *
+ * A record: one byte of kind ('W' write, 'T' truncate, 'S' sync, 'U' unlink, 'A' written
+ * to a socket), then the path's length (4 bytes), the offset or size (8) and the data's
+ * length (8), all little endian, then the path and the data (writes only). Records are written
+ * under one lock, in the order the calls returned, by a plain write to the log (O_APPEND). */
 /* The plain and the 64-bit names are defined apart here: no redirection of one to the
  * other (meson builds everything with _FILE_OFFSET_BITS=64). */
 #undef _FILE_OFFSET_BITS
@@ -26,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -38,6 +43,7 @@ static int log_fd = -1;
 static char dir[4096];
 static size_t dir_len;
 static char *paths[MAX_FD]; /* followed descriptors: their paths */
+static char kinds[MAX_FD];  /* other descriptors: 0 not known yet, 'S' a socket, 'O' not */
 
 static int (*real_open64)(const char *, int, ...);
 static int (*real_open)(const char *, int, ...);
@@ -218,6 +224,18 @@ ssize_t write(int fd, const void *buf, size_t n)
 	w = real_write(fd, buf, n);
 	if (w > 0 && at >= 0)
 		FOLLOWED(fd, record('W', paths[fd], (uint64_t)at, buf, (size_t)w));
+	else if (w > 0 && log_fd >= 0 && fd >= 0 && fd < MAX_FD && fd != log_fd) {
+		int saved = errno;
+		pthread_mutex_lock(&mu);
+		if (!kinds[fd]) {
+			struct stat st;
+			kinds[fd] = fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) ? 'S' : 'O';
+		}
+		if (kinds[fd] == 'S')
+			record('A', "", (uint64_t)fd, buf, (size_t)w);
+		pthread_mutex_unlock(&mu);
+		errno = saved;
+	}
 	return w;
 }
 
@@ -282,6 +300,7 @@ int close(int fd)
 		pthread_mutex_lock(&mu);
 		free(paths[fd]);
 		paths[fd] = NULL;
+		kinds[fd] = 0;
 		pthread_mutex_unlock(&mu);
 	}
 	return real_close(fd);

@@ -13,10 +13,16 @@ the library, starts on that image, and must hold every message acknowledged at `
 at any durability what it holds is a prefix of what was sent, with everything from before
 the checkpoint.
 
+At `machine` the same record is cut at earlier moments too, where the library's record of
+the daemon's answers tells what had been acknowledged by then: inside the checkpoint (the
+database half written, its sync not made), around the first write of the WAL started over,
+and a few moments after.
+
 At `process` the "lost" image loses what was acknowledged since the checkpoint: commits
 there do not sync. That run is the control: it shows that the image really drops unsynced
 writes, so that `machine` passing means something.
 """
+import json
 import os
 import random
 import shutil
@@ -70,6 +76,8 @@ def synced_image(records, src_dir, out_dir, rng=None):
     Returns {name: (operations kept, operations after the last sync, whether it is there)}."""
     ops, dir_syncs = {}, []
     for i, rec in enumerate(records):
+        if rec[0] == "A":  # an answer, no file
+            continue
         if rec[1] == src_dir:
             if rec[0] == "S":
                 dir_syncs.append(i)
@@ -155,43 +163,96 @@ def test_power_loss(durability, unsynced, daemon_factory):
     assert sum(len(w.acked) for w in writers) >= 20, "too few adds before the kill"
 
     records = read_records(log)
-    kinds = {k: sum(1 for r in records if r[0] == k and r[1] != d.state_dir) for k in "WTSU"}
+    kinds = {k: sum(1 for r in records if r[0] == k and r[1] != d.state_dir) for k in "WTSUA"}
     kinds["D"] = sum(1 for r in records if r[0] == "S" and r[1] == d.state_dir)
     print(durability, "records", kinds, "acknowledged", acked)
-    assert kinds["W"] > 0 and kinds["S"] > 0, kinds
+    assert kinds["W"] > 0 and kinds["S"] > 0 and kinds["A"] > 0, kinds
+    image_rng = random.Random(rng.random()) if unsynced == "torn" else None
+
+    # The power loss at the kill: everything the clients saw acknowledged.
+    lost = check_image(daemon_factory, durability, records, d.state_dir, image_rng, first,
+                       writers, None)
+    if durability == "process" and unsynced == "lost":
+        # The control: at process commits are not synced, so the image lost some.
+        assert lost > 0, "the image kept every unsynced commit: it stages no power loss"
+    if durability != "machine":
+        return
+    # And at earlier moments of the same record, where the answers written by then must
+    # all be there: inside the checkpoint (the database half written, not synced yet),
+    # around the first write of the WAL started over, and a few anywhere after.
+    db = os.path.join(d.state_dir, "convod.db")
+    db_syncs = [i for i, r in enumerate(records) if r[0] == "S" and r[1] == db]
+    assert len(db_syncs) >= 2, "no checkpoint synced the database"
+    ck = db_syncs[1]
+    ck_writes = [i for i, r in enumerate(records[:ck]) if r[0] == "W" and r[1] == db
+                 and i > db_syncs[0]]
+    assert ck_writes, "the checkpoint wrote nothing to the database"
+    wal = db + "-wal"
+    again = next(i for i, r in enumerate(records) if i > ck and r[0] == "W" and r[1] == wal
+                 and r[2] == 0)
+    cuts = [ck_writes[len(ck_writes) // 2], ck, ck + 1, again, again + 1]
+    cuts += sorted(rng.randrange(again + 2, len(records)) for _ in range(3))
+    for cut in cuts:
+        lost = check_image(daemon_factory, durability, records[:cut], d.state_dir, image_rng,
+                           first, writers, answered(records[:cut]))
+        assert lost == 0, cut
+
+
+def answered(records):
+    """The texts of every message the daemon's answers (in records) had acknowledged."""
+    pending, texts = {}, set()
+    for kind, _, fd, data in records:
+        if kind != "A":
+            continue
+        *lines, pending[fd] = (pending.get(fd, b"") + data).split(b"\n")
+        for line in lines:
+            r = json.loads(line)
+            if r.get("ok") and isinstance(r.get("result"), dict) and "message" in r["result"]:
+                texts.update(r["result"]["message"]["message"]["contents"])
+    return texts
+
+
+def check_image(daemon_factory, durability, records, state_dir, rng, first, writers, texts):
+    """Starts a daemon on what a power loss after records could leave, and checks what it
+    holds: a prefix of what each conversation was sent, with everything acknowledged
+    before the checkpoint, and at machine everything acknowledged (the clients' answers,
+    or those in texts when given). Returns how many acknowledged messages are missing."""
     d2 = daemon_factory(["--durability", durability], start=False)
     os.makedirs(d2.state_dir)
-    summary = synced_image(records, d.state_dir, d2.state_dir,
-                           random.Random(rng.random()) if unsynced == "torn" else None)
-    print("image (operations kept, lost, there):", summary, "directory syncs", kinds["D"])
+    summary = synced_image(records, state_dir, d2.state_dir, rng)
+    print("image of %d records (operations kept, after the last sync, there): %s" % (
+        len(records), summary))
     assert "convod.db" in os.listdir(d2.state_dir), summary
     d2.start()
     c = d2.connect()
     lost = 0
     for w0, w in zip(first, writers):
         r = c.request({"op": "to_messages_map", "conversation": w.conv, "incremental": False})
-        assert r.get("ok"), r
-        maps = r["result"]["messages"]
+        if r.get("ok"):
+            maps = r["result"]["messages"]
+        else:  # a cut before the conversation's first commit was synced
+            assert r["error"]["code"] == "not_found" and texts is not None, r
+            maps = []
         seq, _ = flat_log(maps)
         before = [(role, text) for role, text, _, _ in w0.acked]
-        want = before + [(role, text) for role, text, _, _ in w.acked]
-        # What is there is always a prefix of what was sent: nothing out of order, nothing
-        # torn; and what the checkpoint synced is there at any durability.
-        sent = want + ([w.inflight] if w.inflight else [])
-        assert seq == sent[:len(seq)], (w.conv, len(seq), len(want))
-        assert len(seq) >= len(before), (w.conv, len(seq), len(before))
-        check_log_shape(w.conv, maps)
-        lost += max(0, len(want) - len(seq))
-        print("  %s: %d + %d acknowledged, %d in the image" % (
-            w.conv, len(before), len(w.acked), len(seq)))
+        sent = before + [(role, text) for role, text, _, _ in w.acked]
+        sent += [w.inflight] if w.inflight else []
+        if texts is None:
+            want = len(sent) - (1 if w.inflight else 0)
+            assert len(seq) >= len(before), (w.conv, len(seq), len(before))
+        else:
+            want = max((k + 1 for k, (_, t) in enumerate(sent) if t in texts), default=0)
+        # Nothing out of order, nothing torn.
+        assert seq == sent[:len(seq)], (w.conv, len(seq), want)
+        if maps:
+            check_log_shape(w.conv, maps)
+        lost += max(0, want - len(seq))
+        print("  %s: %d acknowledged, %d in the image" % (w.conv, want, len(seq)))
         if durability == "machine":
-            assert len(seq) >= len(want), "%s: %d acknowledged, %d left after the power loss" % (
-                w.conv, len(want), len(seq))
-    if durability == "process" and unsynced == "lost":
-        # The control: at process commits are not synced, so the image lost some.
-        assert lost > 0, "the image kept every unsynced commit: it stages no power loss"
+            assert len(seq) >= want, "%s: %d acknowledged, %d left after the power loss" % (
+                w.conv, want, len(seq))
     # The store the image made is sound, and the new daemon goes on writing to it.
-    c.ok({"op": "add_message", "conversation": convs[0] + "-after", "role": "user",
+    c.ok({"op": "add_message", "conversation": first[0].conv + "-after", "role": "user",
           "contents": "after the power loss"})
     assert d2.stop() == 0, d2.log()
     db = sqlite3.connect(os.path.join(d2.state_dir, "convod.db"))
@@ -199,4 +260,5 @@ def test_power_loss(durability, unsynced, daemon_factory):
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         db.close()
-    shutil.rmtree(d2.state_dir, ignore_errors=True)
+    shutil.rmtree(d2.dir, ignore_errors=True)
+    return lost
