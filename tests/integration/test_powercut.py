@@ -188,8 +188,9 @@ def test_power_loss(durability, unsynced, daemon_factory):
                  and i > db_syncs[0]]
     assert ck_writes, "the checkpoint wrote nothing to the database"
     wal = db + "-wal"
-    again = next(i for i, r in enumerate(records) if i > ck and r[0] == "W" and r[1] == wal
-                 and r[2] == 0)
+    again = next((i for i, r in enumerate(records) if i > ck and r[0] == "W" and r[1] == wal
+                  and r[2] == 0), None)
+    assert again is not None, "the WAL did not start over after the checkpoint"
     cuts = [ck_writes[len(ck_writes) // 2], ck, ck + 1, again, again + 1]
     cuts += sorted(rng.randrange(again + 2, len(records)) for _ in range(3))
     for cut in cuts:
