@@ -156,29 +156,20 @@ static int open_common(int (*real)(const char *, int, ...), const char *path, in
 	return fd;
 }
 
-int open64(const char *path, int flags, ...)
-{
-	va_list ap;
-	int fd;
-
-	pthread_once(&once, init);
-	va_start(ap, flags);
-	fd = open_common(real_open64, path, flags, ap);
-	va_end(ap);
-	return fd;
-}
-
-int open(const char *path, int flags, ...)
-{
-	va_list ap;
-	int fd;
-
-	pthread_once(&once, init);
-	va_start(ap, flags);
-	fd = open_common(real_open, path, flags, ap);
-	va_end(ap);
-	return fd;
-}
+/* open64 and open: the same but for the function they pass the call on to. */
+#define DEFINE_OPEN(name, real)                                                                    \
+	int name(const char *path, int flags, ...)                                                 \
+	{                                                                                          \
+		va_list ap;                                                                        \
+		int fd;                                                                            \
+		pthread_once(&once, init);                                                         \
+		va_start(ap, flags);                                                               \
+		fd = open_common(real, path, flags, ap);                                           \
+		va_end(ap);                                                                        \
+		return fd;                                                                         \
+	}
+DEFINE_OPEN(open64, real_open64)
+DEFINE_OPEN(open, real_open)
 
 /* Runs the record for fd when it is followed; keeps errno. */
 #define FOLLOWED(fd, stmt)                                                                         \
