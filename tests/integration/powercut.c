@@ -17,7 +17,10 @@
  * A record: one byte of kind ('W' write, 'T' truncate, 'S' sync, 'U' unlink, 'A' written
  * to a socket), then the path's length (4 bytes), the offset or size (8) and the data's
  * length (8), all little endian, then the path and the data (writes only). Records are written
- * under one lock, in the order the calls returned, by a plain write to the log (O_APPEND). */
+ * under one lock, in the order the calls returned, by a plain write to the log (O_APPEND).
+ * Two threads' calls on one file at the same time are ordered as they were recorded; what
+ * an answer waits for is recorded before it all the same, since the daemon's commit syncs
+ * its writes after making them, and answers after the sync. */
 /* The plain and the 64-bit names are defined apart here: no redirection of one to the
  * other (meson builds everything with _FILE_OFFSET_BITS=64). */
 #undef _FILE_OFFSET_BITS
@@ -130,9 +133,14 @@ static void record(char kind, const char *path, uint64_t off, const void *data, 
 
 static void opened(int fd, const char *path, int flags)
 {
-	if (fd < 0 || fd >= MAX_FD || !followed_path(path))
+	if (fd < 0 || fd >= MAX_FD)
 		return;
 	pthread_mutex_lock(&mu);
+	kinds[fd] = 0; /* a number closed out of sight (fclose) comes back as something else */
+	if (!followed_path(path)) {
+		pthread_mutex_unlock(&mu);
+		return;
+	}
 	free(paths[fd]);
 	paths[fd] = strdup(path);
 	if (paths[fd] && (flags & O_TRUNC))
