@@ -1287,6 +1287,9 @@ static void pending_add(const struct store *s, struct pending *p, char *data, si
 		p->entries[e].rec = data + at;
 		p->entries[e].next = SIZE_MAX;
 		at = pos;
+		/* Tried and not taken: pointing c->id at this record's copy of the id on every
+		 * hit, so that the next compare reads a recent batch instead of the first one
+		 * (8 paired runs at process: loop CPU a request 5.79 -> 6.00 us, lower in 1). */
 		if (c) {
 			p->entries[c->last].next = e;
 			c->last = e;
