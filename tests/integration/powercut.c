@@ -141,8 +141,9 @@ static void opened(int fd, const char *path, int flags)
 		return;
 	}
 	free(paths[fd]);
-	paths[fd] = strdup(path);
-	if (paths[fd] && (flags & O_TRUNC))
+	if (!(paths[fd] = strdup(path)))
+		abort(); /* a file no longer followed would make the test's image wrong */
+	if (flags & O_TRUNC)
 		record('T', path, 0, NULL, 0);
 	pthread_mutex_unlock(&mu);
 }

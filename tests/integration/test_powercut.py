@@ -31,19 +31,11 @@ import time
 
 import pytest
 
-from conftest import VALGRIND, scaled
+from conftest import VALGRIND, _probe_real, scaled
 from test_crash import Writer, check_log_shape, flat_log, kill9
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NCONVS = 4
 SEED = int(os.environ.get("CONVOD_CRASH_SEED", "424242"))
-
-
-def _lib():
-    """libpowercut.so in the build of $CONVOD_BIN (or build/)."""
-    convod = os.environ.get("CONVOD_BIN")
-    build = os.path.dirname(os.path.dirname(convod)) if convod else os.path.join(ROOT, "build")
-    return os.path.join(build, "tests", "integration", "libpowercut.so")
 
 
 def read_records(path):
@@ -124,7 +116,7 @@ def synced_image(records, src_dir, out_dir, rng=None):
 @pytest.mark.parametrize("unsynced", ["lost", "torn"])
 @pytest.mark.parametrize("durability", ["machine", "process"])
 def test_power_loss(durability, unsynced, daemon_factory):
-    lib = _lib()
+    lib = _probe_real("POWERCUT_LIB", "libpowercut.so")  # in the build of $CONVOD_BIN
     assert os.path.exists(lib), "libpowercut.so not built at %s" % lib
     rng = random.Random(SEED)
     d = daemon_factory(["--durability", durability, "--flush-interval", "50"], start=False)
