@@ -20,6 +20,11 @@ and a few moments after.
 At `process` the "lost" image loses what was acknowledged since the checkpoint: commits
 there do not sync. That run is the control: it shows that the image really drops unsynced
 writes, so that `machine` passing means something.
+
+Three operations that change many rows at once are cut at every sync, just before and just
+after it, and halfway between two: a schema upgrade at the start (5 to 6: the index of the
+dead letters), retry_dead_letters' move in parts, and the retention purge. Each image must
+hold the operation done or not done (each part of the move, whole), never half of it.
 """
 import json
 import os
@@ -32,10 +37,28 @@ import time
 import pytest
 
 from conftest import VALGRIND, _probe_real, scaled
+from test_clock import FAKETIME, faked
 from test_crash import Writer, check_log_shape, flat_log, kill9
+from test_persistence import _all_dead_lettered, ddb_daemon, ddb_env, wait_until
 
 NCONVS = 4
 SEED = int(os.environ.get("CONVOD_CRASH_SEED", "424242"))
+
+
+def recorded(d):
+    """Has the daemon d (not started) run with powercut.c preloaded, after what d.env
+    preloads already; returns the path of the library's record."""
+    lib = _probe_real("POWERCUT_LIB", "libpowercut.so")  # in the build of $CONVOD_BIN
+    assert os.path.exists(lib), "libpowercut.so not built at %s" % lib
+    log = os.path.join(d.dir, "powercut.log")
+    env = dict(d.env or {})
+    env.update({"LD_PRELOAD": " ".join(filter(None, [env.get("LD_PRELOAD"), lib])),
+                "POWERCUT_DIR": d.state_dir, "POWERCUT_LOG": log,
+                # An ASan build wants its runtime first; the library only passes calls on.
+                "ASAN_OPTIONS": os.environ.get("ASAN_OPTIONS", "") +
+                ":verify_asan_link_order=0"})
+    d.env = env
+    return log
 
 
 def read_records(path):
@@ -56,7 +79,7 @@ def read_records(path):
     return out
 
 
-def synced_image(records, src_dir, out_dir, rng=None):
+def synced_image(records, src_dir, out_dir, rng=None, base=None):
     """Writes into out_dir each followed file of src_dir as a power loss now could leave it:
     its writes and truncations up to its last sync, nothing after (a file never synced is
     left out). With rng, some of the later ones too, as a page cache written back in part
@@ -64,8 +87,10 @@ def synced_image(records, src_dir, out_dir, rng=None):
     512-byte boundary (a torn write). A removal is kept only when the directory was synced
     after it (SQLite deletes a rollback journal without that sync at synchronous=FULL, and
     a journal that comes back is rolled back); before that, the file stays as last synced.
+    base: {name: bytes}, the files as they were (and were synced) when the record began.
     Returns {name: (operations kept, operations after the last sync, whether it is there)}."""
-    ops, dir_syncs = {}, []
+    base = base or {}
+    ops, dir_syncs = {os.path.join(src_dir, rel): [] for rel in base}, []
     for i, rec in enumerate(records):
         if rec[0] == "A":  # an answer, no file
             continue
@@ -76,8 +101,10 @@ def synced_image(records, src_dir, out_dir, rng=None):
         ops.setdefault(rec[1], []).append((i,) + rec)
     summary = {}
     for path, lst in ops.items():
+        rel = os.path.relpath(path, src_dir)
+        assert not rel.startswith(".."), path
         last = max((k for k, r in enumerate(lst) if r[1] == "S"), default=-1)
-        content = None
+        content = bytearray(base[rel]) if rel in base else None
         for i, kind, _, off, data in lst[:last + 1]:
             if kind == "W":
                 content = content if content is not None else bytearray()
@@ -102,8 +129,6 @@ def synced_image(records, src_dir, out_dir, rng=None):
                 if len(content) < off:
                     content.extend(b"\0" * (off - len(content)))
                 content[off:off + len(data)] = data
-        rel = os.path.relpath(path, src_dir)
-        assert not rel.startswith(".."), path
         summary[rel] = (last + 1, len(lst) - last - 1, content is not None)
         if content is not None:
             with open(os.path.join(out_dir, rel), "wb") as f:
@@ -116,14 +141,9 @@ def synced_image(records, src_dir, out_dir, rng=None):
 @pytest.mark.parametrize("unsynced", ["lost", "torn"])
 @pytest.mark.parametrize("durability", ["machine", "process"])
 def test_power_loss(durability, unsynced, daemon_factory):
-    lib = _probe_real("POWERCUT_LIB", "libpowercut.so")  # in the build of $CONVOD_BIN
-    assert os.path.exists(lib), "libpowercut.so not built at %s" % lib
     rng = random.Random(SEED)
     d = daemon_factory(["--durability", durability, "--flush-interval", "50"], start=False)
-    log = os.path.join(d.dir, "powercut.log")
-    d.env = {"LD_PRELOAD": lib, "POWERCUT_DIR": d.state_dir, "POWERCUT_LOG": log,
-             # An ASan build wants its runtime first; the library only passes calls on.
-             "ASAN_OPTIONS": os.environ.get("ASAN_OPTIONS", "") + ":verify_asan_link_order=0"}
+    log = recorded(d)
     d.start()
     convs = ["power-%s-%d" % (durability, k) for k in range(NCONVS)]
     # First adds, then a pause that lets the daemon checkpoint (a quiet tick asks for it):
@@ -253,3 +273,178 @@ def check_image(daemon_factory, durability, records, state_dir, rng, first, writ
         db.close()
     shutil.rmtree(d2.dir, ignore_errors=True)
     return lost
+
+
+def cut_points(records, lo, most=40):
+    """Moments after record lo to cut the record at (a cut k keeps records[:k]): just
+    before and just after each sync, and halfway through the writes between two syncs;
+    the end too. At most `most` of them, spread evenly, the end always kept."""
+    cuts, prev = {len(records)}, lo
+    for i in range(lo, len(records)):
+        if records[i][0] == "S":
+            cuts.update((i, i + 1, (prev + i) // 2))
+            prev = i + 1
+    cuts = sorted(k for k in cuts if lo < k <= len(records))
+    if len(cuts) > most:
+        cuts = sorted({cuts[k * len(cuts) // most] for k in range(most)} | {len(records)})
+    return cuts
+
+
+def files_of(state_dir):
+    """The followed files of state_dir and their bytes (synced: the caller synced them)."""
+    return {name: open(os.path.join(state_dir, name), "rb").read()
+            for name in os.listdir(state_dir) if not name.endswith("-shm")}
+
+
+def image_dir(daemon_factory, args, env, records, state_dir, rng, base=None):
+    """A daemon, not started, whose state directory is the image a power loss after
+    records could leave; and a copy of that image, to read before the daemon opens it."""
+    d2 = daemon_factory(args, env=env, start=False)
+    os.makedirs(d2.state_dir)
+    synced_image(records, state_dir, d2.state_dir, rng, base)
+    copy = os.path.join(d2.dir, "copy")
+    shutil.copytree(d2.state_dir, copy)
+    return d2, copy
+
+
+def query(path, sql):
+    db = sqlite3.connect(os.path.join(path, "convod.db"), isolation_level=None)
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
+@pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
+                    "ASan stages run it")
+@pytest.mark.parametrize("unsynced", ["lost", "torn"])
+def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, ddb_table,
+                                              daemon_factory):
+    """A store of schema 5 holding dead letters; the daemon, at machine, upgrades it as it
+    starts (one transaction: the index of the dead letters over all of them), and a
+    retry_dead_letters moves them back to the spool in parts of 256, a transaction each.
+    A power loss anywhere in that leaves the store at schema 5 or 6, never between, and
+    each dead letter in exactly one of the two tables, moved in whole parts; once the
+    client had its answer, all of them moved. The fresh daemon started on each image
+    reports what the image holds, and leaves it sound."""
+    n = 2000  # 8 parts
+    args = ["--durability", "machine", "--drain-ms", "0"]
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, args)
+    _all_dead_lettered(d, faultproxy, n, "move")  # stops d; DynamoDB stays down
+    # Back to schema 5, as test_store makes one: no index of the dead letters yet.
+    query(d.state_dir, "DROP INDEX dead_letters_by_message")
+    query(d.state_dir, "PRAGMA user_version=5")
+    os.sync()
+    base = files_of(d.state_dir)
+    log = recorded(d)
+    d.start()
+    c = d.connect()
+    assert c.ok({"op": "retry_dead_letters"})["retried"] == n
+    assert "upgraded from schema 5 to 6" in d.log()
+    time.sleep(0.2)  # quiet ticks: a checkpoint, most likely
+    kill9(d)
+
+    records = read_records(log)
+    answer = next(i for i, r in enumerate(records) if r[0] == "A" and b'"retried"' in r[3])
+    cuts = cut_points(records, 0)
+    rng = random.Random(SEED) if unsynced == "torn" else None
+    seen = []
+    for cut in cuts:
+        d2, copy = image_dir(daemon_factory, ["--dynamodb-table", ddb_table] + args,
+                             ddb_env(faultproxy.url), records[:cut], d.state_dir, rng, base)
+        # What the image holds, read from a copy before the daemon opens it.
+        (version,), = query(copy, "PRAGMA user_version")
+        indexed = query(copy, "SELECT count(*) FROM sqlite_schema"
+                        " WHERE name = 'dead_letters_by_message'")[0][0]
+        (spool, dead, both), = query(
+            copy, "SELECT (SELECT count(*) FROM spool), (SELECT count(*) FROM dead_letters),"
+            " (SELECT count(*) FROM spool s JOIN dead_letters l"
+            "  ON l.conversation = s.conversation AND l.sk = s.sk)")
+        seen.append((cut, version, spool))
+        assert (version, indexed) in ((5, 0), (6, 1)), (cut, version, indexed)
+        assert spool + dead == n and both == 0, (cut, spool, dead, both)
+        assert spool % 256 == 0 or spool == n, (cut, spool)  # whole parts
+        assert version == 6 or spool == 0, (cut, version, spool)  # the upgrade came first
+        if cut > answer:
+            assert spool == n, (cut, spool)
+        # The daemon on the image: it upgrades a schema 5, and reports the same rows.
+        d2.start()
+        c2 = d2.connect()
+        assert c2.ok({"op": "stats"})["spool"]["items"] == spool, cut
+        assert len(c2.ok({"op": "dead_letters", "limit": 100000})["dead_letters"]) == dead
+        assert d2.stop() == 0, d2.log()
+        assert ("upgraded from schema 5 to 6" in d2.log()) == (version == 5), cut
+        assert query(d2.state_dir, "PRAGMA user_version")[0][0] == 6
+        assert query(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
+        shutil.rmtree(d2.dir, ignore_errors=True)
+    print("cuts (record, schema, moved):", seen)
+    if rng is None:  # the images of later cuts hold no less
+        assert [s for _, _, s in seen] == sorted(s for _, _, s in seen), seen
+        assert [v for _, v, _ in seen] == sorted(v for _, v, _ in seen), seen
+    # The cuts fell before the upgrade, inside the move, and after it.
+    assert seen[0][1] == 5 and seen[-1][2] == n, seen
+    assert any(0 < s < n for _, _, s in seen) or rng, seen
+
+
+@pytest.mark.skipif(not FAKETIME, reason="libfaketime is not installed (tests/deps.sh)")
+@pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
+                    "ASan stages run it")
+@pytest.mark.parametrize("unsynced", ["lost", "torn"])
+def test_power_loss_in_retention_purge(unsynced, tmp_path, daemon_factory):
+    """The retention purge at machine (test_clock's, the clock moved by libfaketime): it
+    folds what is pending, then removes the closed conversations past retention in one
+    transaction. A power loss anywhere in that leaves all of them whole or all of them
+    gone, and the open ones whole; once the daemon logged the removal, all are gone."""
+    nclosed, nopen, nmsg = 12, 3, 20
+    env, control = faked(tmp_path)
+    d = daemon_factory(["--durability", "machine", "--closed-retention-days", "30",
+                        "--flush-interval", "100"], env=env, start=False)
+    log = recorded(d)
+    d.start()
+    c = d.connect()
+    closed = ["purged-%d" % k for k in range(nclosed)]
+    kept = ["kept-%d" % k for k in range(nopen)]
+    texts = {conv: ["%s says %d" % (conv, k) for k in range(nmsg)] for conv in closed + kept}
+    for conv in closed + kept:
+        for k, text in enumerate(texts[conv]):
+            c.ok({"op": "add_user" if k % 2 == 0 else "add_assistant", "conversation": conv,
+                  "contents": text})
+    for conv in closed:
+        c.ok({"op": "close", "conversation": conv})
+    c.ok({"op": "stats"})  # the answer marks where the record's cuts begin
+    control.write_text("+31d\n")
+    wait_until(lambda: "removed %d closed conversations past retention" % nclosed in d.log(),
+               scaled(20), "the retention purge in the log")
+    time.sleep(0.3)  # quiet ticks: a checkpoint copies the removal into the database
+    kill9(d)
+
+    records = read_records(log)
+    lo = max(i for i, r in enumerate(records) if r[0] == "A" and b'"uptime_ms"' in r[3])
+    cuts = cut_points(records, lo)
+    rng = random.Random(SEED) if unsynced == "torn" else None
+    seen = []
+    for cut in cuts:
+        d2, _ = image_dir(daemon_factory, ["--durability", "machine"], None, records[:cut],
+                          d.state_dir, rng)
+        d2.start()
+        c2 = d2.connect()
+        there = []
+        for conv in closed + kept:
+            r = c2.request({"op": "get_messages", "conversation": conv})
+            if not r["ok"]:
+                assert r["error"]["code"] == "not_found" and conv in closed, (cut, conv, r)
+                continue
+            got = [t for m in r["result"]["messages"] for t in m["message"]["contents"]]
+            assert got == texts[conv], (cut, conv, got)  # whole
+            there.append(conv)
+        gone = nclosed + nopen - len(there)
+        assert gone in (0, nclosed), (cut, there)  # one transaction
+        seen.append(gone)
+        assert d2.stop() == 0, d2.log()
+        assert query(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
+        shutil.rmtree(d2.dir, ignore_errors=True)
+    print("cuts", cuts, "conversations gone", seen)
+    assert seen[-1] == nclosed, seen  # logged after its commit was synced
+    assert seen[0] == 0 or rng, seen
+    if rng is None:
+        assert seen == sorted(seen), seen
