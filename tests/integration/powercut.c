@@ -1,8 +1,8 @@
 /* powercut: an LD_PRELOAD library that records what a process writes to the files of one
- * directory, and when each file was synced, so that a test can build what a power loss at
- * any moment would have left on the disk (test_powercut.py): every file holding only the
- * writes made before its last successful fsync or fdatasync. It changes nothing the
- * process does: each call goes to libc first, and is recorded only when it succeeded.
+ * directory, when each file was created (an open that made it) and synced, so that a test can build
+ * what a power loss at any moment would have left on the disk (test_powercut.py): every file
+ * holding only the writes made before its last successful fsync or fdatasync. It changes nothing
+ * the process does: each call goes to libc first, and is recorded only when it succeeded.
  *
  * POWERCUT_DIR: the directory (an absolute path, as SQLite opens its files by); files
  * named below it are followed, but not SQLite's "-shm" index, which a start rebuilds from
@@ -14,13 +14,13 @@
  * path and the descriptor for offset, so that the test knows which answers had been sent
  * at any point of the record.
  *
- * A record: one byte of kind ('W' write, 'T' truncate, 'S' sync, 'U' unlink, 'A' written
- * to a socket), then the path's length (4 bytes), the offset or size (8) and the data's
- * length (8), all little endian, then the path and the data (writes only). Records are written
- * under one lock, in the order the calls returned, by a plain write to the log (O_APPEND).
- * Two threads' calls on one file at the same time are ordered as they were recorded; what
- * an answer waits for is recorded before it all the same, since the daemon's commit syncs
- * its writes after making them, and answers after the sync. */
+ * A record: one byte of kind ('W' write, 'T' truncate, 'S' sync, 'C' created by an open,
+ * 'U' unlink, 'A' written to a socket), then the path's length (4 bytes), the offset or size (8)
+ * and the data's length (8), all little endian, then the path and the data (writes only). Records
+ * are written under one lock, in the order the calls returned, by a plain write to the log
+ * (O_APPEND). Two threads' calls on one file at the same time are ordered as they were recorded;
+ * what an answer waits for is recorded before it all the same, since the daemon's commit syncs its
+ * writes after making them, and answers after the sync. */
 /* The plain and the 64-bit names are defined apart here: no redirection of one to the
  * other (meson builds everything with _FILE_OFFSET_BITS=64). */
 #undef _FILE_OFFSET_BITS
@@ -130,7 +130,7 @@ static void record(char kind, const char *path, uint64_t off, const void *data, 
 		put_all(data, len);
 }
 
-static void opened(int fd, const char *path, int flags)
+static void opened(int fd, const char *path, int flags, bool created)
 {
 	if (fd < 0 || fd >= MAX_FD)
 		return;
@@ -143,6 +143,8 @@ static void opened(int fd, const char *path, int flags)
 	free(paths[fd]);
 	if (!(paths[fd] = strdup(path)))
 		abort(); /* a file no longer followed would make the test's image wrong */
+	if (created)
+		record('C', path, 0, NULL, 0);
 	if (flags & O_TRUNC)
 		record('T', path, 0, NULL, 0);
 	pthread_mutex_unlock(&mu);
@@ -151,14 +153,22 @@ static void opened(int fd, const char *path, int flags)
 static int open_common(int (*real)(const char *, int, ...), const char *path, int flags, va_list ap)
 {
 	mode_t mode = 0;
+	bool existed = true;
 	int fd;
 
 	if (flags & (O_CREAT | O_TMPFILE))
 		mode = (mode_t)va_arg(ap, int);
+	/* Whether this open creates the file. Another thread could create it in between; the
+	 * daemon does not race itself for its files (SQLite opens each under its own lock). */
+	if (flags & O_CREAT) {
+		int saved = errno;
+		existed = access(path, F_OK) == 0;
+		errno = saved;
+	}
 	fd = real(path, flags, mode);
 	if (fd >= 0) {
 		int saved = errno;
-		opened(fd, path, flags);
+		opened(fd, path, flags, !existed);
 		errno = saved;
 	}
 	return fd;

@@ -1,16 +1,17 @@
 """A power loss, staged (shared/spec/persistence.md, promise 1: `machine` survives a power
 loss, `process` only a crash of the daemon).
 
-convod runs with powercut.c preloaded, which records every write, truncation and sync that
-the daemon makes to its state directory (the database, its WAL, the journal of the first
-start, the directory's own syncs). Clients add messages to a few conversations, pause until
-the daemon has checkpointed (the database file written and synced, the WAL then started
-over), add more, and the daemon is killed (kill -9) while they do. The test then builds,
-from the record, what a power loss at that moment could have left on the disk: each file as
-of its last successful sync. Later writes are all lost ("lost": the page cache never written
-back), or some of them kept, out of order and perhaps torn ("torn"). A fresh daemon, without
-the library, starts on that image, and must hold every message acknowledged at `machine`;
-at any durability what it holds is a prefix of what was sent, in a sound database.
+convod runs with powercut.c preloaded, which records every creation, write, truncation, sync
+and removal that the daemon makes to its state directory (the database, its WAL, the journal
+of the first start, the directory's own syncs). Clients add messages to a few conversations,
+pause until the daemon has checkpointed (the database file written and synced, the WAL then
+started over), add more, and the daemon is killed (kill -9) while they do. The test then
+builds, from the record, what a power loss at that moment could have left on the disk: each
+file as of its last successful sync, there only if its creation was followed by a sync of
+the directory. Later writes are all lost ("lost": the page cache never written back), or
+some of them kept, out of order and perhaps torn ("torn"). A fresh daemon, without the
+library, starts on that image, and must hold every message acknowledged at `machine`; at any
+durability what it holds is a prefix of what was sent, in a sound database.
 
 At `machine` the same record is cut at earlier moments too, where the library's record of
 the daemon's answers tells what had been acknowledged by then: inside the checkpoint (the
@@ -80,56 +81,64 @@ def read_records(path):
 
 
 def synced_image(records, src_dir, out_dir, rng=None, base=None):
-    """Writes into out_dir each followed file of src_dir as a power loss now could leave it:
-    its writes and truncations up to its last sync, nothing after (a file never synced is
-    left out). With rng, some of the later ones too, as a page cache written back in part
-    and out of order would: each with an even chance, a write perhaps cut short at a
-    512-byte boundary (a torn write). A removal is kept only when the directory was synced
-    after it (SQLite deletes a rollback journal without that sync at synchronous=FULL, and
-    a journal that comes back is rolled back); before that, the file stays as last synced.
-    base: {name: bytes}, the files as they were (and were synced) when the record began.
+    """Writes into out_dir each followed file of src_dir as a power loss now could leave it.
+
+    - The directory: a file's creation or removal is kept only when the directory was
+      synced after it (SQLite syncs it after creating a journal or a WAL; it deletes a
+      rollback journal without that sync at synchronous=FULL, and a journal that comes back
+      is rolled back). So a file is there as of its last creation before the directory's
+      last sync, unless removed before that sync too; base: {name: bytes}, the files there
+      (and synced) when the record began.
+    - That file (that creation's inode: the writes between it and the next creation or
+      removal of the name) holds its writes and truncations up to its own last sync, and
+      nothing after: a page cache never written back.
+    - With rng, some of the later ones too, as a page cache written back in part and out of
+      order would: each with an even chance, a write perhaps cut short at a 512-byte
+      boundary (a torn write).
+
     Returns {name: (operations kept, operations after the last sync, whether it is there)}."""
     base = base or {}
-    ops, dir_syncs = {os.path.join(src_dir, rel): [] for rel in base}, []
+    ops = {os.path.join(src_dir, rel): [] for rel in base}
+    dir_synced = max((i for i, r in enumerate(records) if r[0] == "S" and r[1] == src_dir),
+                     default=-1)
     for i, rec in enumerate(records):
-        if rec[0] == "A":  # an answer, no file
-            continue
-        if rec[1] == src_dir:
-            if rec[0] == "S":
-                dir_syncs.append(i)
-            continue
-        ops.setdefault(rec[1], []).append((i,) + rec)
+        if rec[0] != "A" and rec[1] != src_dir:  # an answer, or the directory's own sync
+            ops.setdefault(rec[1], []).append((i,) + rec)
     summary = {}
     for path, lst in ops.items():
         rel = os.path.relpath(path, src_dir)
         assert not rel.startswith(".."), path
-        last = max((k for k, r in enumerate(lst) if r[1] == "S"), default=-1)
-        content = bytearray(base[rel]) if rel in base else None
-        for i, kind, _, off, data in lst[:last + 1]:
+        assert rel in base or (lst and lst[0][1] == "C"), (rel, lst[:1])
+        # The name's inodes, each from its creation (or the record's start) to the next
+        # creation or removal; the one the directory kept, if any.
+        kept, inode = (0 if rel in base else None), 0
+        lives = [[]]
+        for op in lst:
+            if op[1] in "CU":
+                lives.append([])
+                inode += 1
+                if op[0] < dir_synced:
+                    kept = inode if op[1] == "C" else None
+            else:
+                lives[-1].append(op)
+        content, life = None, []
+        if kept is not None:
+            content = bytearray(base[rel]) if kept == 0 and rel in base else bytearray()
+            life = lives[kept]
+        last = max((k for k, r in enumerate(life) if r[1] == "S"), default=-1)
+        for k, (i, kind, _, off, data) in enumerate(life):
+            if k > last and not (rng and rng.random() < 0.5):
+                continue
             if kind == "W":
-                content = content if content is not None else bytearray()
-                if len(content) < off:
-                    content.extend(b"\0" * (off - len(content)))
-                content[off:off + len(data)] = data
-            elif kind == "T":
-                content = content if content is not None else bytearray()
-                del content[off:]
-                content.extend(b"\0" * (off - len(content)))
-            elif kind == "U":
-                content = None
-        for i, kind, _, off, data in lst[last + 1:]:
-            if kind == "U" and any(j > i for j in dir_syncs):
-                content = None
-            elif kind in "WT" and content is not None and rng and rng.random() < 0.5:
-                if kind == "T":
-                    del content[off:]
-                    continue
-                if rng.random() < 0.3:
+                if k > last and rng.random() < 0.3:
                     data = data[:512 * rng.randrange(0, len(data) // 512 + 1)]
                 if len(content) < off:
                     content.extend(b"\0" * (off - len(content)))
                 content[off:off + len(data)] = data
-        summary[rel] = (last + 1, len(lst) - last - 1, content is not None)
+            elif kind == "T":
+                del content[off:]
+                content.extend(b"\0" * (off - len(content)))
+        summary[rel] = (last + 1, len(life) - last - 1, content is not None)
         if content is not None:
             with open(os.path.join(out_dir, rel), "wb") as f:
                 f.write(content)
