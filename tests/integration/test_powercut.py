@@ -457,3 +457,38 @@ def test_power_loss_in_retention_purge(unsynced, tmp_path, daemon_factory):
     assert seen[0] == 0 or rng, seen
     if rng is None:
         assert seen == sorted(seen), seen
+
+
+def test_image_model(tmp_path):
+    """synced_image on a record made by hand: what the power loss keeps of each file."""
+    src = str(tmp_path / "state")
+
+    def image(records, base=None):
+        out = tmp_path / ("image-%d" % len(list(tmp_path.iterdir())))
+        out.mkdir()
+        synced_image(records, src, str(out), base=base)
+        return {p.name: p.read_bytes() for p in out.iterdir()}
+
+    db, wal = src + "/convod.db", src + "/convod.db-wal"
+    made = [("C", db, 0, b""), ("W", db, 0, b"abcd"), ("S", db, 0, b"")]
+    # A creation the directory's sync did not follow is lost, with what was written to it.
+    assert image(made) == {}
+    # After the directory's sync: the file, as of its own last sync.
+    synced = made + [("S", src, 0, b""), ("W", db, 2, b"XY"), ("T", db, 3, b"")]
+    assert image(synced) == {"convod.db": b"abcd"}
+    assert image(synced + [("S", db, 0, b"")]) == {"convod.db": b"abX"}
+    # A write past the end leaves a hole of zeros.
+    assert image(synced[:4] + [("W", db, 6, b"z"), ("S", db, 0, b"")]) == {
+        "convod.db": b"abcd\0\0z"}
+    # A removal counts once the directory is synced after it; a new file of the same name,
+    # not made durable, leaves the old one as it was.
+    gone = synced + [("U", db, 0, b""), ("C", db, 0, b""), ("W", db, 0, b"new"),
+                     ("S", db, 0, b"")]
+    assert image(gone) == {"convod.db": b"abcd"}
+    assert image(gone[:7] + [("S", src, 0, b"")]) == {}
+    assert image(gone + [("S", src, 0, b"")]) == {"convod.db": b"new"}
+    # A file there when the record began (base), and the answers, which are no file.
+    assert image([("W", wal, 1, b"b"), ("A", "", 5, b"{}\n"), ("S", wal, 0, b"")],
+                 base={"convod.db-wal": b"xyz"}) == {"convod.db-wal": b"xbz"}
+    assert image([("W", wal, 1, b"b")], base={"convod.db-wal": b"xyz"}) == {
+        "convod.db-wal": b"xyz"}
