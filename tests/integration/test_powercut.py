@@ -30,7 +30,9 @@ conversation.
 Three operations that change many rows at once are cut at every sync, just before and just
 after it, and halfway between two: a schema upgrade at the start (5 to 6: the index of the
 dead letters), retry_dead_letters' move in parts, and the retention purge. Each image must
-hold the operation done or not done (each part of the move, whole), never half of it.
+hold the operation done or not done (each part of the move, whole), never half of it. A
+stop (its checkpoint, then the WAL removed) is cut the same way: every acknowledged message
+stays.
 """
 import json
 import os
@@ -345,6 +347,41 @@ def test_power_loss_with_dynamodb(unsynced, dynalite, ddb_table, daemon_factory)
                        random.Random(rng.random()) if unsynced == "torn" else None, empty,
                        first, None, args, ddb_env(dynalite), drained)
     assert lost == 0
+
+
+@pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
+                    "ASan stages run it")
+@pytest.mark.parametrize("unsynced", ["lost", "torn"])
+def test_power_loss_in_a_stop(unsynced, daemon_factory):
+    """The power fails while the daemon stops (SIGTERM) at machine, or right after: the stop
+    checkpoints the WAL into the database and removes it. At every sync of that, just before
+    and after, and halfway between two, the image holds everything acknowledged."""
+    rng = random.Random(SEED + 2)
+    d = daemon_factory(["--durability", "machine", "--flush-interval", "50"], start=False)
+    log = recorded(d)
+    d.start()
+    convs = ["power-stop-%d" % k for k in range(NCONVS)]
+    writers = [Writer(d.socket, conv, random.Random(rng.random()), None, "a") for conv in convs]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(30)
+        assert not w.is_alive() and not w.refused, w.refused
+    d.connect().ok({"op": "stats"})  # the answer marks where the cuts begin
+    assert d.stop() == 0, d.log()
+    records = read_records(log)
+    lo = max(i for i, r in enumerate(records) if r[0] == "A" and b'"uptime_ms"' in r[3])
+    wal = os.path.join(d.state_dir, "convod.db-wal")
+    # What the stop did: the database synced, the WAL removed (and that made durable).
+    assert any(r[0] == "U" and r[1] == wal for r in records[lo:]), "the stop left the WAL"
+    cuts = cut_points(records, lo)
+    print("the stop:", "".join(r[0] for r in records[lo + 1:]), "cuts", cuts)
+    empty = [Writer(d.socket, w.conv, None, None, "-") for w in writers]
+    image_rng = random.Random(rng.random()) if unsynced == "torn" else None
+    for cut in cuts:
+        lost = check_image(daemon_factory, "machine", records[:cut], d.state_dir, image_rng,
+                           empty, writers, None)
+        assert lost == 0, cut
 
 
 def cut_points(records, lo, most=40):
