@@ -7,6 +7,7 @@ import os
 import random
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import Conn
+from conftest import Conn, scaled
 
 
 def frame(obj, end=b"\n"):
@@ -466,6 +467,41 @@ def test_pipelined_small_requests_big_answers(daemon_factory):
             raise AssertionError("no answer %d of %d within 20 s: the daemon stalled" % (i, n))
         assert r["id"] == i and r["result"]["text"] == text
     assert c.request({"id": "end", "op": "ping"})["id"] == "end"
+
+
+def test_stop_while_paused_with_an_unfinished_line(daemon_factory):
+    """A client pipelines requests whose answers exceed --max-output-bytes many times over,
+    ends with an unfinished line, and reads nothing: the daemon stops reading it. Then
+    SIGTERM. The stop answers every complete line as the client reads them, drops the
+    unfinished one without running it, closes the connection and exits 0."""
+    d = daemon_factory(["--max-output-bytes", "65536"])
+    c = d.connect(timeout=20)
+    for i in range(60):
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "big",
+              "contents": "%04d" % i + "y" * 996})
+    text = c.ok({"op": "describe", "conversation": "big"})["text"]
+    n = 300
+    c.send_raw(b"".join(frame({"id": i, "op": "describe", "conversation": "big"})
+                        for i in range(n)) +
+               b'{"op":"add_user","conversation":"unfinished","contents":"never run"}')
+    time.sleep(0.3)  # the daemon reads, answers until 64 KiB wait, and stops reading
+    d.signal(signal.SIGTERM)
+    deadline = time.time() + scaled(10)
+    while os.path.exists(d.socket):  # the stop has begun: the listening socket goes
+        assert time.time() < deadline, "the daemon did not begin its stop"
+        time.sleep(0.02)
+    for i in range(n):
+        r = c.recv()
+        assert r["id"] == i and r["result"]["text"] == text, (i, r)
+    with pytest.raises((EOFError, ConnectionError)):
+        c.recv()
+    assert d.proc.wait(30) == 0, d.log()[-2000:]
+    assert d.stop() == 0
+    d.start()
+    c = d.connect()
+    c.err({"op": "describe", "conversation": "unfinished"}, "not_found")
+    assert c.ok({"op": "describe", "conversation": "big"})["text"] == text
+    assert d.stop() == 0, d.log()[-2000:]
 
 
 def test_concurrent_clients(daemon):
