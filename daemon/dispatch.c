@@ -326,6 +326,10 @@ static size_t sink_take(struct dispatch *d, struct convo *c, bool include_last)
 	n = convo_take(c, CONSUMER_SINK, !include_last, spool_take_cb, &t);
 	if (n)
 		d->changed = true;
+	/* Taken with no spool row to show for it (the transaction failed already): this turn's
+	 * commit fails, and commit_failed reads the conversation back from the store. */
+	if (n && d->remote && d->tx_error)
+		c->daemon_flags |= FLAG_STORE_DIRTY;
 	if (d->remote) {
 		if (sink_has_pending(c))
 			mark_sink_dirty(d, c);
@@ -482,6 +486,17 @@ static void commit_failed(struct dispatch *d, int rc)
 	sink_lost(d->sink);
 	store_rollback(d->store);
 	store_progress(d->store, &p);
+	/* The flusher's takes into void spool rows moved their messages' sink marks: those
+	 * conversations are read back from the store too, so that the messages are taken
+	 * again. (They used to stay taken, in no spool row: nothing sent them before a
+	 * restart.) */
+	for (size_t i = 0; i < d->nspooled; i++) {
+		struct spool_entry *e = &d->spooled[i];
+		struct convo *c;
+		if ((!e->seq || e->seq > p.committed) &&
+		    (c = registry_get(&d->reg, e->conv, e->conv_len)))
+			c->daemon_flags |= FLAG_STORE_DIRTY;
+	}
 	revert_to_store(d, p.committed);
 	/* The transactions after the last one written are void: what their answers wait for
 	 * will never be written. */

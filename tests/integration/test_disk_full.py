@@ -14,7 +14,8 @@ import pytest
 
 import ddb
 from conftest import scaled
-from test_persistence import _all_dead_lettered, ddb_daemon, ddb_env, store_rows, wait_until
+from test_persistence import (_all_dead_lettered, ddb_daemon, ddb_env, store_rows,
+                              table_matches_daemon, wait_drained, wait_until)
 
 
 def tmpfs(size):
@@ -384,3 +385,58 @@ def test_disk_full_during_a_retry_move(daemon_factory, fs_16m, faultproxy, dynal
                "the re-read")
     c.close()
     assert d.stop() == 0, d.log()[-3000:]
+
+
+def test_disk_full_flush_is_undone_and_sent_later(daemon_factory, small_fs, dynalite,
+                                                  ddb_table):
+    """A flush while the disk is full: its turn puts the conversation's messages in the
+    spool, and that commit fails. The flush is answered `unavailable`, nothing of it reaches
+    DynamoDB (the sink is told only of spool rows written), and the messages stay pending.
+    Once there is room a flush sends them, and the table ends exactly as the daemon holds
+    each conversation: the adds refused while the disk was full are in neither."""
+    state = os.path.join(small_fs, "state")
+    # No flusher ticks: only flush requests put messages in the spool.
+    d = daemon_factory(["--state-dir", state, "--dynamodb-table", ddb_table,
+                        "--flush-interval", "600000", "--retry-base-ms", "20",
+                        "--retry-max-ms", "300"], env=ddb_env(dynalite))
+    c = d.connect()
+    conv = "flushed-when-full"
+    for i, op in enumerate(["add_user", "add_assistant", "add_user", "add_assistant"]):
+        c.ok({"op": op, "conversation": conv, "contents": "m%d" % i})
+    c.ok({"op": "add_user", "conversation": "slack", "contents": "known"})
+    # A reader's snapshot keeps the WAL from starting over: with the disk full, commits fail
+    # once its unused tail is used up (small adds until they fail).
+    reader = sqlite3.connect("file:%s?mode=ro" % os.path.join(state, "convod.db"), uri=True,
+                             isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM spool").fetchone()
+    filler = fill(small_fs)
+    try:
+        failed = 0
+        for i in range(2000):
+            r = c.request({"op": "add_user", "conversation": "slack", "contents": "s%d" % i})
+            failed = 0 if r["ok"] else failed + 1
+            if failed == 3:
+                break
+        assert failed == 3, "the disk never filled"
+        r = c.request({"op": "flush", "conversation": conv})
+        assert not r["ok"] and r["error"]["code"] == "unavailable", r
+        assert c.ok({"op": "stats"})["spool"]["items"] == 0
+        time.sleep(0.3)  # what the sink would have sent by now
+        assert ddb.query_all(dynalite, ddb_table, conv) == []
+        assert spool_rows(state) == 0
+    finally:
+        reader.execute("COMMIT")
+        reader.close()
+        os.unlink(filler)
+    c.ok({"op": "add_user", "conversation": "after", "contents": "space again"})
+    for cv in (conv, "slack", "after"):
+        assert c.ok({"op": "flush", "conversation": cv})["flushed"] >= 1, cv
+    wait_drained(c)
+    views = table_matches_daemon(dynalite, ddb_table, c, [conv, "slack", "after"])
+    assert [m["message"]["contents"] for m in views[conv]] == [["m%d" % i] for i in range(4)]
+    # The refused adds: in neither the daemon nor the table (the slack holds what was ok).
+    texts = [t for m in views["slack"] for t in m["message"]["contents"]]
+    assert texts[0] == "known" and len(texts) == len(set(texts)), texts
+    assert spool_rows(state) == 0
+    assert d.stop() == 0, d.log()
