@@ -265,6 +265,26 @@ def spool_rows(state):
         db.close()
 
 
+def fill_for_commits(c, state, fs):
+    """Makes every commit fail: a reader's snapshot keeps the WAL from starting over, so
+    every commit must grow it; the disk is filled, and small adds to "slack" (through c)
+    use up the WAL's unused tail until three in a row fail. Returns the reader (its
+    transaction open) and the filler, for the caller to release."""
+    reader = sqlite3.connect("file:%s?mode=ro" % os.path.join(state, "convod.db"), uri=True,
+                             isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM spool").fetchone()
+    filler = fill(fs)
+    failed = 0
+    for i in range(2000):
+        r = c.request({"op": "add_user", "conversation": "slack", "contents": "s%d" % i})
+        failed = 0 if r["ok"] else failed + 1
+        if failed == 3:
+            break
+    assert failed == 3, "the disk never filled"
+    return reader, filler
+
+
 def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, faultproxy,
                                                      dynalite, ddb_table):
     """DynamoDB confirms writes while the disk is full: the commit that records the
@@ -288,21 +308,8 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
     wait_until(lambda: faultproxy.count("slow") == 1, 5, "the held call")
     forwarded = faultproxy.count("forwarded")
     assert spool_rows(state) == len(ids)
-    # A reader's snapshot keeps the WAL from starting over, so every commit must grow it;
-    # with the disk full, every commit fails once the WAL's unused tail is used up (small
-    # adds until they fail), the one recording the confirmations too.
-    reader = sqlite3.connect("file:%s?mode=ro" % os.path.join(state, "convod.db"), uri=True,
-                             isolation_level=None)
-    reader.execute("BEGIN")
-    reader.execute("SELECT count(*) FROM spool").fetchone()
-    filler = fill(small_fs)
-    failed = 0
-    for i in range(2000):
-        r = c.request({"op": "add_user", "conversation": "slack", "contents": "s%d" % i})
-        failed = 0 if r["ok"] else failed + 1
-        if failed == 3:
-            break
-    assert failed == 3, "the disk never filled"
+    # Commits fail from here on, the one recording the confirmations too.
+    reader, filler = fill_for_commits(c, state, small_fs)
     assert faultproxy.count("forwarded") == forwarded, ("answered too soon", faultproxy.log)
     wait_until(lambda: faultproxy.count("forwarded") == forwarded + 1, 10,
                "the held call's answer")
@@ -404,21 +411,8 @@ def test_disk_full_flush_is_undone_and_sent_later(daemon_factory, small_fs, dyna
     for i, op in enumerate(["add_user", "add_assistant", "add_user", "add_assistant"]):
         c.ok({"op": op, "conversation": conv, "contents": "m%d" % i})
     c.ok({"op": "add_user", "conversation": "slack", "contents": "known"})
-    # A reader's snapshot keeps the WAL from starting over: with the disk full, commits fail
-    # once its unused tail is used up (small adds until they fail).
-    reader = sqlite3.connect("file:%s?mode=ro" % os.path.join(state, "convod.db"), uri=True,
-                             isolation_level=None)
-    reader.execute("BEGIN")
-    reader.execute("SELECT count(*) FROM spool").fetchone()
-    filler = fill(small_fs)
+    reader, filler = fill_for_commits(c, state, small_fs)
     try:
-        failed = 0
-        for i in range(2000):
-            r = c.request({"op": "add_user", "conversation": "slack", "contents": "s%d" % i})
-            failed = 0 if r["ok"] else failed + 1
-            if failed == 3:
-                break
-        assert failed == 3, "the disk never filled"
         r = c.request({"op": "flush", "conversation": conv})
         assert not r["ok"] and r["error"]["code"] == "unavailable", r
         assert c.ok({"op": "stats"})["spool"]["items"] == 0

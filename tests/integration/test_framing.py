@@ -448,16 +448,22 @@ def test_client_that_never_reads(daemon_factory):
     assert vm_rss_kb(pid) - baseline < 64 * 1024
 
 
+def big_conversation(c):
+    """Adds 60 messages of 1,000 bytes to the conversation "big"; returns its describe text
+    (about 60 kB: a few such answers fill --max-output-bytes 65536)."""
+    for i in range(60):
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "big",
+              "contents": "%04d" % i + "y" * 996})
+    return c.ok({"op": "describe", "conversation": "big"})["text"]
+
+
 def test_pipelined_small_requests_big_answers(daemon_factory):
     """A reading client pipelines small requests whose answers exceed --max-output-bytes many
     times over: the daemon pauses and resumes by itself until every answer is out (nothing
     else happens on the socket to wake it up)."""
     d = daemon_factory(["--max-output-bytes", "65536"])
     c = d.connect(timeout=20)
-    for i in range(60):
-        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "big",
-              "contents": "%04d" % i + "y" * 996})
-    text = c.ok({"op": "describe", "conversation": "big"})["text"]
+    text = big_conversation(c)
     n = 300
     c.send_raw(b"".join(frame({"id": i, "op": "describe", "conversation": "big"}) for i in range(n)))
     for i in range(n):
@@ -476,10 +482,7 @@ def test_stop_while_paused_with_an_unfinished_line(daemon_factory):
     unfinished one without running it, closes the connection and exits 0."""
     d = daemon_factory(["--max-output-bytes", "65536"])
     c = d.connect(timeout=20)
-    for i in range(60):
-        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "big",
-              "contents": "%04d" % i + "y" * 996})
-    text = c.ok({"op": "describe", "conversation": "big"})["text"]
+    text = big_conversation(c)
     n = 300
     c.send_raw(b"".join(frame({"id": i, "op": "describe", "conversation": "big"})
                         for i in range(n)) +

@@ -71,6 +71,18 @@ def recorded(d):
     return log
 
 
+def recorded_writers(d, prefix, rng):
+    """Starts d (not started) recorded, and a test_crash Writer on each of NCONVS
+    conversations named prefix-k; returns the record's path and the writers."""
+    log = recorded(d)
+    d.start()
+    writers = [Writer(d.socket, "%s-%d" % (prefix, k), random.Random(rng.random()), None, "a")
+               for k in range(NCONVS)]
+    for w in writers:
+        w.start()
+    return log, writers
+
+
 def read_records(path):
     """The library's records: (kind, path, offset or size, data). A record cut short by the
     kill (the library writes each in a few calls) is left out: it ended no call."""
@@ -317,12 +329,7 @@ def test_power_loss_with_dynamodb(unsynced, dynalite, ddb_table, daemon_factory)
     rng = random.Random(SEED + 1)
     args = ["--dynamodb-table", ddb_table] + FAST
     d = daemon_factory(["--durability", "machine"] + args, env=ddb_env(dynalite), start=False)
-    log = recorded(d)
-    d.start()
-    convs = ["power-ddb-%d" % k for k in range(NCONVS)]
-    first = [Writer(d.socket, conv, random.Random(rng.random()), None, "a") for conv in convs]
-    for w in first:
-        w.start()
+    log, first = recorded_writers(d, "power-ddb", rng)
     time.sleep(0.4)  # at machine, about half of each writer's adds
     kill9(d)
     for w in first:
@@ -358,12 +365,7 @@ def test_power_loss_in_a_stop(unsynced, daemon_factory):
     and after, and halfway between two, the image holds everything acknowledged."""
     rng = random.Random(SEED + 2)
     d = daemon_factory(["--durability", "machine", "--flush-interval", "50"], start=False)
-    log = recorded(d)
-    d.start()
-    convs = ["power-stop-%d" % k for k in range(NCONVS)]
-    writers = [Writer(d.socket, conv, random.Random(rng.random()), None, "a") for conv in convs]
-    for w in writers:
-        w.start()
+    log, writers = recorded_writers(d, "power-stop", rng)
     for w in writers:
         w.join(30)
         assert not w.is_alive() and not w.refused, w.refused
