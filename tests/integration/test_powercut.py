@@ -48,7 +48,7 @@ import ddb
 from conftest import VALGRIND, _probe_real, scaled
 from test_clock import FAKETIME, faked
 from test_crash import Writer, check_log_shape, flat_log, kill9
-from test_persistence import (FAST, _all_dead_lettered, ddb_daemon, ddb_env,
+from test_persistence import (FAST, _all_dead_lettered, ddb_daemon, ddb_env, store_rows,
                               table_matches_daemon, wait_drained, wait_until)
 
 NCONVS = 4
@@ -265,13 +265,12 @@ def answered(records):
 def check_image(daemon_factory, durability, records, state_dir, rng, first, writers, texts,
                 args=(), env=None, then=None):
     """Starts a daemon on what a power loss after records could leave, and checks what it
-    holds: a prefix of what each conversation was sent, and at machine everything
-    acknowledged (the clients' answers, or those in texts when given). args and env go to
-    the daemon; then(c, convs), when given, runs before it stops. Returns how many
-    acknowledged messages are missing."""
-    d2 = daemon_factory(["--durability", durability] + list(args), env=env, start=False)
-    os.makedirs(d2.state_dir)
-    summary = synced_image(records, state_dir, d2.state_dir, rng)
+    holds: a prefix of what each conversation was sent (first's adds, when given, then
+    writers'), and at machine everything acknowledged (the clients' answers, or those in
+    texts when given). args and env go to the daemon; then(c, convs), when given, runs
+    before it stops. Returns how many acknowledged messages are missing."""
+    d2, _, summary = image_dir(daemon_factory, ["--durability", durability] + list(args), env,
+                               records, state_dir, rng)
     print("image of %d records (operations kept, after the last sync, there): %s" % (
         len(records), summary))
     # At the kill the store is there; a cut in the first start may come before it is.
@@ -279,7 +278,7 @@ def check_image(daemon_factory, durability, records, state_dir, rng, first, writ
     d2.start()
     c = d2.connect()
     lost = 0
-    for w0, w in zip(first, writers):
+    for w0, w in zip(first or [None] * len(writers), writers):
         r = c.request({"op": "to_messages_map", "conversation": w.conv, "incremental": False})
         if r.get("ok"):
             maps = r["result"]["messages"]
@@ -287,7 +286,7 @@ def check_image(daemon_factory, durability, records, state_dir, rng, first, writ
             assert r["error"]["code"] == "not_found" and texts is not None, r
             maps = []
         seq, _ = flat_log(maps)
-        sent = [(role, text) for role, text, _, _ in w0.acked + w.acked]
+        sent = [(role, text) for role, text, _, _ in (w0.acked if w0 else []) + w.acked]
         sent += [w.inflight] if w.inflight else []
         if texts is None:
             want = len(sent) - (1 if w.inflight else 0)
@@ -303,10 +302,10 @@ def check_image(daemon_factory, durability, records, state_dir, rng, first, writ
             assert len(seq) >= want, "%s: %d acknowledged, %d left after the power loss" % (
                 w.conv, want, len(seq))
     # The store the image made is sound, and the new daemon goes on writing to it.
-    c.ok({"op": "add_message", "conversation": first[0].conv + "-after", "role": "user",
+    c.ok({"op": "add_message", "conversation": writers[0].conv + "-after", "role": "user",
           "contents": "after the power loss"})
     if then:
-        then(c, [w.conv for w in writers] + [first[0].conv + "-after"])
+        then(c, [w.conv for w in writers] + [writers[0].conv + "-after"])
     assert d2.stop() == 0, d2.log()
     db = sqlite3.connect(os.path.join(d2.state_dir, "convod.db"))
     try:
@@ -348,10 +347,8 @@ def test_power_loss_with_dynamodb(unsynced, dynalite, ddb_table, daemon_factory)
         assert st["sink"]["dead_lettered"] == 0, st["sink"]
         table_matches_daemon(dynalite, ddb_table, c, convs, timeout=30)
 
-    # check_image takes a conversation's adds in two halves: here the first is empty.
-    empty = [Writer(d.socket, w.conv, None, None, "-") for w in first]
     lost = check_image(daemon_factory, "machine", records, d.state_dir,
-                       random.Random(rng.random()) if unsynced == "torn" else None, empty,
+                       random.Random(rng.random()) if unsynced == "torn" else None, None,
                        first, None, args, ddb_env(dynalite), drained)
     assert lost == 0
 
@@ -378,11 +375,10 @@ def test_power_loss_in_a_stop(unsynced, daemon_factory):
     assert any(r[0] == "U" and r[1] == wal for r in records[lo:]), "the stop left the WAL"
     cuts = cut_points(records, lo)
     print("the stop:", "".join(r[0] for r in records[lo + 1:]), "cuts", cuts)
-    empty = [Writer(d.socket, w.conv, None, None, "-") for w in writers]
     image_rng = random.Random(rng.random()) if unsynced == "torn" else None
     for cut in cuts:
         lost = check_image(daemon_factory, "machine", records[:cut], d.state_dir, image_rng,
-                           empty, writers, None)
+                           None, writers, None)
         assert lost == 0, cut
 
 
@@ -403,27 +399,27 @@ def cut_points(records, lo, most=40):
 
 def files_of(state_dir):
     """The followed files of state_dir and their bytes (synced: the caller synced them)."""
-    return {name: open(os.path.join(state_dir, name), "rb").read()
-            for name in os.listdir(state_dir) if not name.endswith("-shm")}
+    out = {}
+    for name in os.listdir(state_dir):
+        if not name.endswith("-shm"):
+            with open(os.path.join(state_dir, name), "rb") as f:
+                out[name] = f.read()
+    return out
 
 
-def image_dir(daemon_factory, args, env, records, state_dir, rng, base=None):
+def image_dir(daemon_factory, args, env, records, state_dir, rng, base=None, copy=False):
     """A daemon, not started, whose state directory is the image a power loss after
-    records could leave; and a copy of that image, to read before the daemon opens it."""
+    records could leave; with copy, a copy of that image too, to read before the daemon
+    opens it (a read recovers the WAL into it). Returns the daemon, the copy's path (or
+    None) and synced_image's summary."""
     d2 = daemon_factory(args, env=env, start=False)
     os.makedirs(d2.state_dir)
-    synced_image(records, state_dir, d2.state_dir, rng, base)
-    copy = os.path.join(d2.dir, "copy")
-    shutil.copytree(d2.state_dir, copy)
-    return d2, copy
-
-
-def query(path, sql):
-    db = sqlite3.connect(os.path.join(path, "convod.db"), isolation_level=None)
-    try:
-        return db.execute(sql).fetchall()
-    finally:
-        db.close()
+    summary = synced_image(records, state_dir, d2.state_dir, rng, base)
+    path = None
+    if copy:
+        path = os.path.join(d2.dir, "copy")
+        shutil.copytree(d2.state_dir, path)
+    return d2, path, summary
 
 
 @pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
@@ -443,8 +439,11 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
     d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, args)
     _all_dead_lettered(d, faultproxy, n, "move")  # stops d; DynamoDB stays down
     # Back to schema 5, as test_store makes one: no index of the dead letters yet.
-    query(d.state_dir, "DROP INDEX dead_letters_by_message")
-    query(d.state_dir, "PRAGMA user_version=5")
+    db = sqlite3.connect(os.path.join(d.state_dir, "convod.db"))
+    try:
+        db.executescript("DROP INDEX dead_letters_by_message; PRAGMA user_version=5")
+    finally:
+        db.close()
     os.sync()
     base = files_of(d.state_dir)
     log = recorded(d)
@@ -461,13 +460,14 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
     rng = random.Random(SEED) if unsynced == "torn" else None
     seen = []
     for cut in cuts:
-        d2, copy = image_dir(daemon_factory, ["--dynamodb-table", ddb_table] + args,
-                             ddb_env(faultproxy.url), records[:cut], d.state_dir, rng, base)
+        d2, copy, _ = image_dir(daemon_factory, ["--dynamodb-table", ddb_table] + args,
+                                ddb_env(faultproxy.url), records[:cut], d.state_dir, rng, base,
+                                copy=True)
         # What the image holds, read from a copy before the daemon opens it.
-        (version,), = query(copy, "PRAGMA user_version")
-        indexed = query(copy, "SELECT count(*) FROM sqlite_schema"
+        (version,), = store_rows(copy, "PRAGMA user_version")
+        indexed = store_rows(copy, "SELECT count(*) FROM sqlite_schema"
                         " WHERE name = 'dead_letters_by_message'")[0][0]
-        (spool, dead, both), = query(
+        (spool, dead, both), = store_rows(
             copy, "SELECT (SELECT count(*) FROM spool), (SELECT count(*) FROM dead_letters),"
             " (SELECT count(*) FROM spool s JOIN dead_letters l"
             "  ON l.conversation = s.conversation AND l.sk = s.sk)")
@@ -485,8 +485,8 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
         assert len(c2.ok({"op": "dead_letters", "limit": 100000})["dead_letters"]) == dead
         assert d2.stop() == 0, d2.log()
         assert ("upgraded from schema 5 to 6" in d2.log()) == (version == 5), cut
-        assert query(d2.state_dir, "PRAGMA user_version")[0][0] == 6
-        assert query(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
+        assert store_rows(d2.state_dir, "PRAGMA user_version")[0][0] == 6
+        assert store_rows(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
         shutil.rmtree(d2.dir, ignore_errors=True)
     print("cuts (record, schema, moved):", seen)
     if rng is None:  # the images of later cuts hold no less
@@ -535,8 +535,8 @@ def test_power_loss_in_retention_purge(unsynced, tmp_path, daemon_factory):
     rng = random.Random(SEED) if unsynced == "torn" else None
     seen = []
     for cut in cuts:
-        d2, _ = image_dir(daemon_factory, ["--durability", "machine"], None, records[:cut],
-                          d.state_dir, rng)
+        d2, _, _ = image_dir(daemon_factory, ["--durability", "machine"], None, records[:cut],
+                             d.state_dir, rng)
         d2.start()
         c2 = d2.connect()
         there = []
@@ -552,7 +552,7 @@ def test_power_loss_in_retention_purge(unsynced, tmp_path, daemon_factory):
         assert gone in (0, nclosed), (cut, there)  # one transaction
         seen.append(gone)
         assert d2.stop() == 0, d2.log()
-        assert query(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
+        assert store_rows(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
         shutil.rmtree(d2.dir, ignore_errors=True)
     print("cuts", cuts, "conversations gone", seen)
     assert seen[-1] == nclosed, seen  # logged after its commit was synced
