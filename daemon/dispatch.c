@@ -352,9 +352,7 @@ static void loaded_from_store(struct dispatch *d, struct convo *c)
 
 struct revert_ctx {
 	uint64_t after;
-	struct convo **v;
-	size_t n, cap;
-	bool nomem;
+	struct convo *list; /* linked on daemon_next_store: the store list is void anyway */
 };
 
 static void revert_collect(void *arg, struct convo *c)
@@ -362,70 +360,65 @@ static void revert_collect(void *arg, struct convo *c)
 	struct revert_ctx *r = arg;
 	if (!(c->daemon_flags & FLAG_STORE_DIRTY) && c->daemon_store_seq <= r->after)
 		return;
-	if (r->n == r->cap) {
-		size_t ncap = r->cap ? 2 * r->cap : 64;
-		struct convo **p = realloc(r->v, ncap * sizeof(*p));
-		if (!p) {
-			r->nomem = true;
-			return;
-		}
-		r->v = p;
-		r->cap = ncap;
-	}
-	r->v[r->n++] = c;
+	c->daemon_next_store = r->list;
+	r->list = c;
 }
 
 /* After a failed commit: the store holds everything up to the transaction committed last
  * (after); every conversation changed since (in a transaction submitted later, or in the
- * open one) is made to match it again. */
+ * open one) is made to match it again: read back, or, when it cannot be read (no memory, an
+ * I/O error), dropped from memory, so that its next request reads it again. (It used to
+ * keep the changes the failed answers said were not made, and the sink marks of a flush
+ * with no spool row behind them.) With DynamoDB as the sink, the flush tick then reads the
+ * open ones back, so that what they hold unsent is taken (reread_open). Allocates
+ * nothing. */
 static void revert_to_store(struct dispatch *d, uint64_t after)
 {
-	struct revert_ctx r = {after, NULL, 0, 0, false};
-	struct convo *keep = NULL;
+	struct revert_ctx r = {after, NULL};
+	struct convo *c, *next;
+	size_t unread = 0;
+	int unread_rc = 0;
 
 	registry_each(&d->reg, revert_collect, &r);
-	if (r.nomem)
-		log_msg(LOG_ERROR, "store", "out of memory reverting conversations after a failed "
-		        "commit; some keep changes the store does not hold");
 	d->store_dirty = NULL;
-	for (size_t i = 0; i < r.n; i++) {
-		struct convo *c = r.v[i], *fresh = NULL;
+	for (c = r.list; c; c = next) {
+		struct convo *fresh = NULL;
 		int rc;
 
+		next = c->daemon_next_store;
 		c->daemon_flags &= ~(unsigned int)FLAG_STORE_DIRTY;
 		c->daemon_next_store = NULL;
 		rc = store_load_conversation(d->store, c->id, c->id_len, &fresh);
-		if (rc == 0)
-			loaded_from_store(d, fresh);
-		if (rc == -ENOENT) {
-			drop_conversation(d, c); /* created after the last commit */
-			continue;
-		}
 		if (rc < 0) {
-			/* Cannot read it back either: keep memory, write it all again next time. */
-			for (size_t k = 0; k < c->nlog; k++)
-				c->log[k]->seen[CONSUMER_STORE] = 0;
-			c->scan_from[CONSUMER_STORE] = 0;
-			c->daemon_flags &= ~(unsigned int)FLAG_ROW_OPEN;
-			c->daemon_next_store = keep;
-			c->daemon_flags |= FLAG_STORE_DIRTY;
-			keep = c;
+			/* -ENOENT: created after the last commit. */
+			if (rc != -ENOENT) {
+				unread++;
+				unread_rc = rc;
+			}
+			drop_conversation(d, c);
 			continue;
 		}
+		loaded_from_store(d, fresh);
 		unmark_sink_dirty(d, c);
 		unmark_marks_dirty(d, c); /* the store's marks are the fresh copy's */
 		convo_free(registry_take(&d->reg, c->id, c->id_len));
 		if (registry_put(&d->reg, fresh) < 0) {
 			convo_free(fresh);
+			unread++;
+			unread_rc = -ENOMEM;
 			continue;
 		}
 		if (sink_has_pending(fresh))
 			mark_sink_dirty(d, fresh);
 	}
-	free(r.v);
-	d->store_dirty = keep;
-	if (keep)
-		d->changed = true;
+	if (unread) {
+		log_msg(LOG_ERROR, "store",
+		        "%zu conversations could not be read back after the failed commit (%s); "
+		        "they are read again when next asked for",
+		        unread, strerror(-unread_rc));
+		if (d->remote)
+			d->reread_open = true;
+	}
 }
 
 /* Copies the "id":ID, member that opens an answer written by answer_open, if any: the
@@ -736,6 +729,38 @@ void dispatch_settled(void *arg, const char *conv, size_t conv_len)
 		drop_conversation(d, c);
 }
 
+static int restore_one(void *arg, struct convo *c)
+{
+	struct dispatch *d = arg;
+	loaded_from_store(d, c);
+	c->daemon_flags |= FLAG_ROW_OPEN; /* store_load_open loads only open rows */
+	if (registry_put(&d->reg, c) < 0) {
+		convo_free(c);
+		return -ENOMEM;
+	}
+	if (sink_has_pending(c))
+		mark_sink_dirty(d, c);
+	return 0;
+}
+
+/* The flush tick's read of an open conversation (reread_open): one not in memory comes back
+ * when it holds something the sink has not taken. */
+static int reread_one(void *arg, struct convo *c)
+{
+	struct dispatch *d = arg;
+
+	if (registry_get(&d->reg, c->id, c->id_len)) {
+		convo_free(c); /* memory's is as new or newer */
+		return 0;
+	}
+	loaded_from_store(d, c);
+	if (!sink_has_pending(c)) {
+		convo_free(c);
+		return 0;
+	}
+	return restore_one(d, c);
+}
+
 void dispatch_flush_tick(struct dispatch *d, bool all)
 {
 	int64_t now = dispatch_now_ms();
@@ -745,6 +770,14 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 	if (d->sink_changes >= DISPATCH_FLUSH_SOON_CHANGES)
 		d->stats.flushes_early++;
 	d->sink_changes = 0;
+	/* Conversations dropped after a failed commit: what they hold unsent is taken below.
+	 * A read that fails is tried again next tick. */
+	if (d->reread_open && store_load_open(d->store, reread_one, d) == 0) {
+		d->reread_open = false;
+		log_msg(LOG_INFO, "store",
+		        "conversations not read back after a failed commit are "
+		        "read again");
+	}
 	/* Idle by the wall clock (updated_ms, what the items carry) or, for a change made since
 	 * the start, by the monotonic one: a wall clock set back (NTP, a resumed VM) must not
 	 * hold the last message back for as long as it went back. Set forward, it flushes the
@@ -785,20 +818,6 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 			log_msg(LOG_INFO, "store",
 			        "removed %zu closed conversations past retention", removed);
 	}
-}
-
-static int restore_one(void *arg, struct convo *c)
-{
-	struct dispatch *d = arg;
-	loaded_from_store(d, c);
-	c->daemon_flags |= FLAG_ROW_OPEN; /* store_load_open loads only open rows */
-	if (registry_put(&d->reg, c) < 0) {
-		convo_free(c);
-		return -ENOMEM;
-	}
-	if (sink_has_pending(c))
-		mark_sink_dirty(d, c);
-	return 0;
 }
 
 static int spool_one(void *arg, int64_t seq, const char *conv, size_t conv_len, const char *sk,

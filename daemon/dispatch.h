@@ -97,6 +97,9 @@ struct dispatch {
 	bool answer_dependent;    /* the answer dispatch_line wrote depends on the commit */
 	enum op answer_op;        /* the op of the request dispatch_line answered last */
 	bool store_failing;       /* the last commit failed (logged once until it recovers) */
+	/* Conversations that could not be read back after a failed commit left memory: with
+	 * DynamoDB as the sink, the flush tick reads the open ones again (dispatch.c). */
+	bool reread_open;
 	struct restore_wait *restores; /* restores from DynamoDB (and create_table) in progress */
 	/* retry_dead_letters moves the dead letters in parts, each a transaction of its own:
 	 * retry_soon(retry_soon_arg) asks main to call dispatch_retry_step once a loop turn

@@ -21,6 +21,7 @@ struct alloc_fail {
 	_Atomic long live;
 	void *refuse_old; /* realloc of this block fails, armed or not; NULL = none */
 	bool refuse_all;  /* while armed, every allocation fails (memory is out) */
+	bool out_from;    /* refuse fail_at and every later one (memory runs out at fail_at) */
 	/* Count and refuse only the allocations of this thread (the loop's), when set: other
 	 * threads (curl's resolver, SQLite's helpers) go through unrefused. */
 	bool one_thread;

@@ -18,13 +18,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "awsconf.h"
 #include "buf.h"
 #include "config.h"
+#include "ddbclient.h"
 #include "dispatch.h"
 #include "log.h"
 #include "message.h"
 #include "ops.h"
 #include "server.h"
+#include "sink.h"
 #include "store.h"
 #include "store_legacy.h"
 #include "test.h"
@@ -842,6 +845,290 @@ static void restore_refused(void)
 	message_free(m);
 }
 
+/* --- a flush with DynamoDB as the sink ---------------------------------------------------- */
+
+/* The flusher's take (the flush and close ops, the flush ticks: sink_take) moves each taken
+ * message's sink mark in memory and writes its spool row in the turn's transaction. A turn
+ * whose commit fails must put those marks back: else the messages stay taken with no spool
+ * row, and nothing sends them before a restart (29bfb52 fixed one such case). Here one turn
+ * flushes a conversation and closes another, DynamoDB being the sink (an endpoint nobody
+ * answers, and the loop never runs: nothing is confirmed, every spool row stays), with each
+ * of the turn's allocations refused in turn; in a second pass memory runs out at the Nth
+ * allocation, so that reading the conversations back after the failed commit fails too.
+ * After the turn, every message marked taken must have a committed spool row of that
+ * version or a newer one, and the close must hold exactly when it was answered ok and the
+ * turn committed. Once memory is back, a flush tick of everything must leave every stored
+ * message of both in the spool at its stored version, and nothing may stay allocated. */
+
+struct spool_rows {
+	char **v;
+	size_t n, cap;
+};
+
+static int spool_row(void *arg, int64_t seq, const char *conv, size_t conv_len, const char *sk,
+                     uint32_t version, int64_t enqueued_ms)
+{
+	struct spool_rows *r = arg;
+	char line[256];
+
+	(void)seq;
+	(void)enqueued_ms;
+	if (r->n == r->cap) {
+		size_t ncap = r->cap ? 2 * r->cap : 16;
+		char **p = realloc(r->v, ncap * sizeof(*p));
+		if (!p)
+			return -ENOMEM;
+		r->v = p;
+		r->cap = ncap;
+	}
+	snprintf(line, sizeof(line), "%.*s %s %" PRIu32, (int)conv_len, conv, sk, version);
+	if (!(r->v[r->n] = strdup(line)))
+		return -ENOMEM;
+	r->n++;
+	return 0;
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+	return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static void spool_rows_free(struct spool_rows *r)
+{
+	for (size_t i = 0; i < r->n; i++)
+		free(r->v[i]);
+	free(r->v);
+	memset(r, 0, sizeof(*r));
+}
+
+/* The committed spool, sorted ("conversation sk version" each). */
+static void spool_read(struct store *s, struct spool_rows *r)
+{
+	memset(r, 0, sizeof(*r));
+	CHECK(store_spool_each(s, 0, spool_row, r) == 0);
+	if (r->n)
+		qsort(r->v, r->n, sizeof(*r->v), cmp_str);
+}
+
+/* The spool's version of a message (0: no row). */
+static uint32_t spool_version(const struct spool_rows *r, const char *conv, const char *sk)
+{
+	size_t lc = strlen(conv), ls = strlen(sk);
+	for (size_t i = 0; i < r->n; i++)
+		if (strncmp(r->v[i], conv, lc) == 0 && r->v[i][lc] == ' ' &&
+		    strncmp(r->v[i] + lc + 1, sk, ls) == 0 && r->v[i][lc + 1 + ls] == ' ')
+			return (uint32_t)strtoul(r->v[i] + lc + 2 + ls, NULL, 10);
+	return 0;
+}
+
+struct marks_check {
+	const struct spool_rows *spool;
+	unsigned long fail_at;
+	int pass;
+	size_t bad, taken;
+};
+
+static void marks_one(void *arg, struct convo *c)
+{
+	struct marks_check *k = arg;
+	for (size_t i = 0; i < c->nlog; i++) {
+		const struct message *m = c->log[i];
+		char sk[MESSAGE_SK_MAX + 1];
+		uint32_t v;
+		if (!m->seen[CONSUMER_SINK])
+			continue;
+		k->taken++;
+		message_sort_key(m, sk);
+		v = spool_version(k->spool, c->id, sk);
+		if (v < m->seen[CONSUMER_SINK]) {
+			fprintf(stderr,
+			        "flush, pass %d, N=%lu: %s message %zu marked taken at version %u, "
+			        "spool row at %u\n",
+			        k->pass, k->fail_at, c->id, i, (unsigned)m->seen[CONSUMER_SINK],
+			        (unsigned)v);
+			k->bad++;
+		}
+	}
+}
+
+static int count_open(void *arg, struct convo *c)
+{
+	if (c->id_len == 2 && memcmp(c->id, "f2", 2) == 0)
+		(*(int *)arg)++;
+	convo_free(c);
+	return 0;
+}
+
+static void on_sink_closed(void *arg)
+{
+	*(bool *)arg = true;
+}
+
+static void send_line(struct dispatch *d, const char *line, struct buf *out)
+{
+	dispatch_line(d, line, strlen(line), out, NULL, DISPATCH_REMOTE_CHECK);
+}
+
+struct flush_outcome {
+	bool refused, committed, closed;
+};
+
+static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
+{
+	static const char *const adds[] = {
+	    "{\"op\":\"add_user\",\"conversation\":\"f1\",\"contents\":\"one\"}",
+	    "{\"op\":\"add_assistant\",\"conversation\":\"f1\",\"contents\":\"two\"}",
+	    "{\"op\":\"add_user\",\"conversation\":\"f1\",\"contents\":\"three\"}",
+	    "{\"op\":\"add_user\",\"conversation\":\"f2\",\"contents\":\"four\"}",
+	    "{\"op\":\"add_assistant\",\"conversation\":\"f2\",\"contents\":\"five\"}",
+	};
+	const char *tmp = getenv("TMPDIR");
+	char dir[256], path[300], err[256], *close_answer;
+	struct store *s = NULL;
+	struct sink *sink = NULL;
+	struct sink_config sc;
+	struct awsconf aws;
+	struct config cfg;
+	struct dispatch d;
+	struct buf out = {NULL, 0, 0};
+	struct spool_rows spool, want = {NULL, 0, 0};
+	struct marks_check k = {&spool, fail_at, pass, 0, 0};
+	uv_loop_t loop;
+	long live = A.live;
+	bool closed = false;
+	int open = 0;
+	unsigned long failures;
+
+	memset(fo, 0, sizeof(*fo));
+	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	CHECK(mkdtemp(dir) != NULL);
+	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	CHECK(uv_loop_init(&loop) == 0);
+	memset(&aws, 0, sizeof(aws));
+	aws.region = strdup("us-east-1");
+	aws.endpoint_url = strdup("http://127.0.0.1:9");
+	aws.access_key_id = strdup("AKIDEXAMPLE");
+	aws.secret_access_key = strdup("secret");
+	sink_config_defaults(&sc);
+	sc.table = "convod-alloc";
+	CHECK(sink_new(&loop, s, &sc, &aws, NULL, NULL, &sink) == 0 && sink_remote(sink));
+	config_defaults(&cfg);
+	CHECK(dispatch_init(&d, &cfg, s, sink) == 0);
+	for (size_t i = 0; i < sizeof(adds) / sizeof(adds[0]); i++)
+		send_line(&d, adds[i], &out);
+	CHECK(dispatch_commit(&d, false) == DISPATCH_COMMIT_SUBMITTED);
+	CHECK(dispatch_sync(&d) == 0);
+	CHECK(!memmem(out.data, out.len, "\"ok\":false", 10));
+
+	/* The turn. */
+	out.len = 0;
+	A.calls = 0;
+	A.fail_at = fail_at;
+	A.out_from = pass == 1;
+	A.failed = false;
+	A.one_thread = true;
+	A.thread = pthread_self();
+	ops_json_alloc_reset();
+	A.armed = true;
+	send_line(&d, "{\"id\":1,\"op\":\"flush\",\"conversation\":\"f1\"}", &out);
+	send_line(&d, "{\"id\":2,\"op\":\"close\",\"conversation\":\"f2\"}", &out);
+	fo->committed = dispatch_commit(&d, false) == DISPATCH_COMMIT_SUBMITTED;
+	A.armed = false;
+	A.out_from = false;
+	fo->refused = A.failed;
+	/* What was handed over is written, or has failed and been undone. */
+	failures = d.failures;
+	CHECK(dispatch_sync(&d) == 0 || !fo->committed);
+	if (d.failures != failures)
+		fo->committed = false;
+	close_answer = memmem(out.data, out.len, "{\"id\":2,", 7);
+	fo->closed = fo->committed && close_answer && strstr(close_answer, "\"ok\":true");
+
+	/* Every mark moved has its spool row. */
+	spool_read(s, &spool);
+	registry_each(&d.reg, marks_one, &k);
+	CHECK(k.bad == 0);
+	CHECK(store_load_open(s, count_open, &open) == 0);
+	if ((open == 0) != fo->closed)
+		fprintf(stderr,
+		        "flush, pass %d, N=%lu: f2 is %s in the store, committed %d: %.*s\n", pass,
+		        fail_at, open ? "open" : "closed", fo->committed, (int)out.len, out.data);
+	CHECK((open == 0) == fo->closed);
+	spool_rows_free(&spool);
+
+	/* Memory back: a flush tick of everything (as at a stop), and every stored message is
+	 * in the spool. */
+	dispatch_flush_tick(&d, true);
+	CHECK(dispatch_sync(&d) == 0);
+	CHECK(!d.reread_open && !d.store_failing);
+	spool_read(s, &spool);
+	for (int i = 0; i < 2; i++) {
+		struct convo *c = NULL;
+		CHECK(store_load_conversation(s, i ? "f2" : "f1", 2, &c) == 0);
+		for (size_t j = 0; c && j < c->nlog; j++) {
+			char sk[MESSAGE_SK_MAX + 1];
+			message_sort_key(c->log[j], sk);
+			spool_row(&want, 0, c->id, c->id_len, sk, c->log[j]->version, 0);
+		}
+		convo_free(c);
+	}
+	if (want.n)
+		qsort(want.v, want.n, sizeof(*want.v), cmp_str);
+	CHECK(want.n == 5); /* f1: 3, f2: 2 */
+	CHECK(spool.n == want.n);
+	for (size_t i = 0; i < spool.n && i < want.n; i++)
+		if (strcmp(spool.v[i], want.v[i]) != 0) {
+			fprintf(stderr, "flush, pass %d, N=%lu: spool row %s, want %s\n", pass,
+			        fail_at, spool.v[i], want.v[i]);
+			CHECK(!"spool row");
+		}
+	spool_rows_free(&spool);
+	spool_rows_free(&want);
+
+	buf_free(&out);
+	sink_close(sink, 0, on_sink_closed, &closed);
+	uv_run(&loop, UV_RUN_DEFAULT);
+	CHECK(closed);
+	dispatch_free(&d);
+	config_free(&cfg);
+	awsconf_free(&aws);
+	store_close(s);
+	CHECK(uv_loop_close(&loop) == 0);
+	snprintf(path, sizeof(path), "%s/convod.db", dir);
+	CHECK(unlink(path) == 0);
+	CHECK(rmdir(dir) == 0);
+	if (A.live != live)
+		fprintf(stderr, "flush, pass %d, N=%lu: %ld allocations not freed\n", pass, fail_at,
+		        A.live - live);
+	CHECK(A.live == live);
+}
+
+static void flush_refused(void)
+{
+	struct flush_outcome fo;
+	unsigned long n, failed_commits[2] = {0, 0};
+
+	CHECK(ddbclient_global_init() == 0);
+	for (int pass = 0; pass < 2; pass++) {
+		for (n = 1;; n++) {
+			flush_run(pass, n, &fo);
+			if (!fo.refused)
+				break;
+			failed_commits[pass] += !fo.committed;
+		}
+		fprintf(stderr,
+		        "alloc_fail: a flush and a close with DynamoDB as the sink, %s: %lu "
+		        "allocations, %lu turns failed\n",
+		        pass ? "memory out from the Nth allocation on"
+		             : "the Nth allocation refused",
+		        n - 1, failed_commits[pass]);
+		CHECK(n > 10 && failed_commits[pass] > 0);
+	}
+	ddbclient_global_cleanup();
+}
+
 /* --- the server: accepting, reading, framing, writing ------------------------------------ */
 
 /* Requests sent at once on one connection through daemon/server.c (a real Unix socket and
@@ -1221,6 +1508,7 @@ int main(void)
 	store_load_refused(true);
 	submit_seqs();
 	submit_seqs_refused();
+	flush_refused();
 	server_refused(false);
 	server_refused(true);
 	server_spare_out();
