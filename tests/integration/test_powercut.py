@@ -29,7 +29,9 @@ conversation.
 
 Three operations that change many rows at once are cut at every sync, just before and just
 after it, and halfway between two: a schema upgrade at the start (5 to 6: the index of the
-dead letters), retry_dead_letters' move in parts, and the retention purge. Each image must
+dead letters; and 2 to 6, from a store of convod's old schema written here, whose messages
+and journal become segments, then copied into the database file by a checkpoint),
+retry_dead_letters' move in parts, and the retention purge. Each image must
 hold the operation done or not done (each part of the move, whole), never half of it. A
 stop (its checkpoint, then the WAL removed) is cut the same way: every acknowledged message
 stays.
@@ -422,6 +424,18 @@ def image_dir(daemon_factory, args, env, records, state_dir, rng, base=None, cop
     return d2, path, summary
 
 
+def stopped_at_6(d2, upgrade, cut):
+    """Stops d2, started on the image of cut, which must have logged the upgrade (None: no
+    upgrade) and left its store at schema 6, sound; removes its directory."""
+    assert d2.stop() == 0, d2.log()
+    upgraded = [line[line.index("upgraded"):] for line in d2.log().splitlines()
+                if "upgraded from schema" in line]
+    assert upgraded == ([upgrade] if upgrade else []), (cut, upgraded)
+    assert store_rows(d2.state_dir, "PRAGMA user_version")[0][0] == 6
+    assert store_rows(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
+    shutil.rmtree(d2.dir, ignore_errors=True)
+
+
 @pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
                     "ASan stages run it")
 @pytest.mark.parametrize("unsynced", ["lost", "torn"])
@@ -483,11 +497,7 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
         c2 = d2.connect()
         assert c2.ok({"op": "stats"})["spool"]["items"] == spool, cut
         assert len(c2.ok({"op": "dead_letters", "limit": 100000})["dead_letters"]) == dead
-        assert d2.stop() == 0, d2.log()
-        assert ("upgraded from schema 5 to 6" in d2.log()) == (version == 5), cut
-        assert store_rows(d2.state_dir, "PRAGMA user_version")[0][0] == 6
-        assert store_rows(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
-        shutil.rmtree(d2.dir, ignore_errors=True)
+        stopped_at_6(d2, "upgraded from schema 5 to 6" if version == 5 else None, cut)
     print("cuts (record, schema, moved):", seen)
     if rng is None:  # the images of later cuts hold no less
         assert [s for _, _, s in seen] == sorted(s for _, _, s in seen), seen
@@ -495,6 +505,125 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
     # The cuts fell before the upgrade, inside the move, and after it.
     assert seen[0][1] == 5 and seen[-1][2] == n, seen
     assert any(0 < s < n for _, _, s in seen) or rng, seen
+
+
+# convod's schema before 3 (2 had the journal), as test_store.c writes it.
+SCHEMA2 = """
+CREATE TABLE conversations(id BLOB PRIMARY KEY NOT NULL, updated INTEGER NOT NULL,
+ closed INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
+CREATE TABLE messages(conversation BLOB NOT NULL, sk TEXT NOT NULL,
+ version INTEGER NOT NULL, updated INTEGER NOT NULL, client_seen INTEGER NOT NULL,
+ confirmed INTEGER NOT NULL DEFAULT 0, map_bytes INTEGER NOT NULL, map TEXT NOT NULL,
+ PRIMARY KEY(conversation, sk));
+CREATE TABLE journal(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL,
+ sk TEXT NOT NULL, version INTEGER NOT NULL, updated INTEGER NOT NULL,
+ client_seen INTEGER NOT NULL, map_bytes INTEGER NOT NULL, map TEXT NOT NULL);
+CREATE TABLE spool(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL, sk TEXT NOT NULL,
+ version INTEGER NOT NULL, enqueued INTEGER NOT NULL, UNIQUE(sk, conversation));
+CREATE TABLE dead_letters(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL,
+ sk TEXT NOT NULL, version INTEGER NOT NULL, item TEXT, error TEXT NOT NULL,
+ at INTEGER NOT NULL);
+PRAGMA application_id=1668183652;
+PRAGMA user_version=2;
+"""
+
+
+def write_schema2_store(daemon_factory, path, nconvs, nmsgs):
+    """A store as convod's schema 2 wrote it at path: nconvs conversations of nmsgs
+    messages (their maps made by a memory-only daemon), each message in the messages
+    table at version 1, and every third one again in the journal at version 2 with other
+    text. Returns {conversation: the texts get_messages must give, in order}."""
+    m = daemon_factory(["--memory-only"])
+    c = m.connect()
+    want, rows, journal = {}, [], []
+    for k in range(nconvs):
+        conv = "old-%d" % k
+        want[conv] = []
+        for i in range(nmsgs):
+            op = "add_user" if i % 2 == 0 else "add_assistant"
+            text = "%s says %d" % (conv, i)
+            msg = c.ok({"op": op, "conversation": conv, "contents": text})["message"]
+            rows.append((conv.encode(), msg["id"], 1, 1000 + i, json.dumps(msg)))
+            if i % 3 == 0:
+                msg["message"]["contents"] = [text + " again"]
+                journal.append((conv.encode(), msg["id"], 2, 2000 + i, json.dumps(msg)))
+                text += " again"
+            want[conv].append(text)
+    assert m.stop() == 0
+    db = sqlite3.connect(path)
+    try:
+        db.executescript(SCHEMA2)
+        db.executemany("INSERT INTO conversations VALUES(?, 3000, 0)",
+                       [(conv.encode(),) for conv in want])
+        db.executemany("INSERT INTO messages(conversation, sk, version, updated, client_seen,"
+                       " map_bytes, map) VALUES(?, ?, ?, ?, 0, length(?5), ?5)", rows)
+        db.executemany("INSERT INTO journal(conversation, sk, version, updated, client_seen,"
+                       " map_bytes, map) VALUES(?, ?, ?, ?, 0, length(?5), ?5)", journal)
+        db.commit()
+    finally:
+        db.close()
+    return want
+
+
+@pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
+                    "ASan stages run it")
+@pytest.mark.parametrize("unsynced", ["lost", "torn"])
+def test_power_loss_in_upgrade_from_schema_2(unsynced, daemon_factory):
+    """A store of convod's schema 2 (a messages table, and a journal of newer versions),
+    upgraded to 6 as the daemon starts at machine: one transaction that folds the journal
+    into the messages, builds each conversation's segment from them and drops both old
+    tables. A power loss anywhere in it leaves schema 2 with its tables or 6 without them,
+    never between, and every conversation whole, at its newest versions, either way."""
+    args = ["--durability", "machine"]
+    d = daemon_factory(args, start=False)
+    os.makedirs(d.state_dir)
+    want = write_schema2_store(daemon_factory, os.path.join(d.state_dir, "convod.db"),
+                               60, 40)
+    os.sync()
+    base = files_of(d.state_dir)
+    log = recorded(d)
+    d.start()
+    c = d.connect()
+    assert c.ok({"op": "get_messages", "conversation": "old-0"})["messages"]
+    assert "upgraded from schema 2 to 6" in d.log()
+    # And the checkpoint that copies the upgrade into the database file.
+    deadline = time.time() + scaled(10)
+    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
+        assert time.time() < deadline, "no checkpoint in a quiet spell"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    kill9(d)
+
+    records = read_records(log)
+    print("the record:", "".join(r[0] for r in records))
+    cuts = cut_points(records, 0)
+    rng = random.Random(SEED) if unsynced == "torn" else None
+    seen = []
+    for cut in cuts:
+        d2, copy, _ = image_dir(daemon_factory, args, None, records[:cut], d.state_dir, rng,
+                                base, copy=True)
+        # A copy: a connection that may roll back a hot journal, as the daemon's will.
+        db = sqlite3.connect(os.path.join(copy, "convod.db"))
+        try:
+            (version,), = db.execute("PRAGMA user_version").fetchall()
+            tables = {name for name, in db.execute("SELECT name FROM sqlite_schema"
+                                                   " WHERE type = 'table'")}
+        finally:
+            db.close()
+        seen.append((cut, version))
+        assert (version, {"messages", "journal"} <= tables, "segments" in tables) in (
+            (2, True, False), (6, False, True)), (cut, version, sorted(tables))
+        d2.start()
+        c2 = d2.connect()
+        for conv, texts in want.items():
+            got = c2.ok({"op": "get_messages", "conversation": conv})["messages"]
+            assert [m["message"]["contents"] for m in got] == [[t] for t in texts], (cut, conv)
+        stopped_at_6(d2, "upgraded from schema 2 to 6" if version == 2 else None, cut)
+    print("cuts (record, schema):", seen)
+    if rng is None:  # the images of later cuts hold no less
+        assert [v for _, v in seen] == sorted(v for _, v in seen), seen
+    # The cuts fell before the upgrade's commit and after it.
+    assert seen[0][1] == 2 and seen[-1][1] == 6, seen
 
 
 @pytest.mark.skipif(not FAKETIME, reason="libfaketime is not installed (tests/deps.sh)")
