@@ -959,6 +959,14 @@ static int count_open(void *arg, struct convo *c)
 	return 0;
 }
 
+static int count_open_t2(void *arg, struct convo *c)
+{
+	if (c->id_len == 2 && memcmp(c->id, "t2", 2) == 0)
+		(*(int *)arg)++;
+	convo_free(c);
+	return 0;
+}
+
 static void on_sink_closed(void *arg)
 {
 	*(bool *)arg = true;
@@ -1127,6 +1135,215 @@ static void flush_refused(void)
 		CHECK(n > 10 && failed_commits[pass] > 0);
 	}
 	ddbclient_global_cleanup();
+}
+
+/* --- a turn of changes over the store ------------------------------------------------------ */
+
+/* A failed commit must leave memory as the store holds it. One turn changes three
+ * conversations over a store (process, the local sink): a merge, new messages, a new
+ * conversation that starts with the fake user turn, and a close; each of its allocations is
+ * refused in turn, then memory runs out at the Nth (so that reading the conversations back
+ * after a failed commit may fail too). After the turn, memory back: every conversation in
+ * memory is what the store gives (each message's map and version); the store holds none of
+ * the turn when it did not commit, and all of it when it committed with every answer ok;
+ * the close holds exactly when it was answered ok in a turn that committed; a conversation
+ * gone from memory reads back as the store holds it; nothing stays allocated. */
+
+static const char *const turn_ids[] = {"t1", "t2", "t3"};
+
+/* Each message's map and version, as one line (caller frees); "none" for NULL. Without
+ * full, only what two runs share: the role, the contents and the version (ids and times
+ * differ). */
+static char *versions_text(const struct convo *c, bool full)
+{
+	json_t *a;
+	char *out;
+
+	if (!c)
+		return strdup("none");
+	a = json_array();
+	for (size_t i = 0; a && i < c->nlog; i++) {
+		json_t *map = message_to_map(c->log[i]);
+		if (!full) {
+			json_t *msg = json_incref(json_object_get(map, "message"));
+			json_decref(map);
+			map = msg;
+		}
+		json_array_append_new(a, json_pack("{s:o, s:I}", "map", map, "version",
+		                                   (json_int_t)c->log[i]->version));
+	}
+	out = a ? json_dumps(a, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+	json_decref(a);
+	return out;
+}
+
+static char *stored_text(struct store *s, const char *id, bool full)
+{
+	struct convo *c = NULL;
+	char *t;
+	int rc = store_load_conversation(s, id, strlen(id), &c);
+
+	CHECK(rc == 0 || rc == -ENOENT);
+	t = versions_text(c, full);
+	convo_free(c);
+	return t;
+}
+
+struct turn_outcome {
+	bool refused, committed, all_ok, closed;
+	char *after[3]; /* the store's after the turn, as two runs can compare it */
+};
+
+static void turn_run(int pass, unsigned long fail_at, struct turn_outcome *to)
+{
+	static const char *const before_lines[] = {
+	    "{\"op\":\"add_user\",\"conversation\":\"t1\",\"contents\":\"a\"}",
+	    "{\"op\":\"add_assistant\",\"conversation\":\"t1\",\"contents\":\"b\"}",
+	    "{\"op\":\"add_user\",\"conversation\":\"t1\",\"contents\":\"c\"}",
+	    "{\"op\":\"add_user\",\"conversation\":\"t2\",\"contents\":\"x\"}",
+	};
+	static const char *const turn_lines[] = {
+	    "{\"id\":1,\"op\":\"add_user\",\"conversation\":\"t1\",\"contents\":\"c again\"}",
+	    "{\"id\":2,\"op\":\"add_assistant\",\"conversation\":\"t1\",\"contents\":\"d\","
+	    "\"metadata\":{\"aux\":{\"k\":[1,2]}}}",
+	    "{\"id\":3,\"op\":\"add_assistant\",\"conversation\":\"t2\",\"contents\":\"y\"}",
+	    "{\"id\":4,\"op\":\"add_assistant\",\"conversation\":\"t3\",\"contents\":\"z\"}",
+	    "{\"id\":5,\"op\":\"close\",\"conversation\":\"t2\"}",
+	};
+	struct over_store o;
+	struct dispatch *d = &o.d;
+	struct buf out = {NULL, 0, 0};
+	char *before[3], *stored[3];
+	unsigned long failures;
+	int open = 0;
+
+	memset(to, 0, sizeof(*to));
+	if (!over_store_open(&o))
+		return;
+	for (size_t i = 0; i < sizeof(before_lines) / sizeof(before_lines[0]); i++)
+		send_line(d, before_lines[i], &out);
+	CHECK(dispatch_commit(d, false) == DISPATCH_COMMIT_SUBMITTED);
+	CHECK(dispatch_sync(d) == 0);
+	CHECK(!memmem(out.data, out.len, "\"ok\":false", 10));
+	for (int i = 0; i < 3; i++)
+		before[i] = stored_text(o.s, turn_ids[i], true);
+
+	out.len = 0;
+	A.calls = 0;
+	A.fail_at = fail_at;
+	A.out_from = pass == 1;
+	A.failed = false;
+	A.one_thread = true;
+	A.thread = pthread_self();
+	ops_json_alloc_reset();
+	A.armed = true;
+	for (size_t i = 0; i < sizeof(turn_lines) / sizeof(turn_lines[0]); i++)
+		send_line(d, turn_lines[i], &out);
+	to->committed = dispatch_commit(d, false) == DISPATCH_COMMIT_SUBMITTED;
+	A.armed = false;
+	A.out_from = false;
+	to->refused = A.failed;
+	failures = d->failures;
+	CHECK(dispatch_sync(d) == 0 || !to->committed);
+	if (d->failures != failures)
+		to->committed = false;
+	to->all_ok = !memmem(out.data, out.len, "\"ok\":false", 10);
+	{
+		char *close_answer = memmem(out.data, out.len, "{\"id\":5,", 7);
+		to->closed = to->committed && close_answer && strstr(close_answer, "\"ok\":true");
+	}
+
+	/* Memory is what the store holds. */
+	for (int i = 0; i < 3; i++) {
+		struct convo *c = registry_get(&d->reg, turn_ids[i], 2);
+		stored[i] = stored_text(o.s, turn_ids[i], true);
+		to->after[i] = stored_text(o.s, turn_ids[i], false);
+		CHECK(stored[i] && to->after[i]);
+		if (c) {
+			char *mem = versions_text(c, true);
+			if (!mem || !stored[i] || strcmp(mem, stored[i]) != 0)
+				fprintf(stderr,
+				        "turn, pass %d, N=%lu: %s in memory %s, stored %s\n", pass,
+				        fail_at, turn_ids[i], mem ? mem : "?",
+				        stored[i] ? stored[i] : "?");
+			CHECK(mem && stored[i] && strcmp(mem, stored[i]) == 0);
+			free(mem);
+		}
+		if (!to->committed) {
+			if (!stored[i] || strcmp(before[i], stored[i]) != 0)
+				fprintf(stderr,
+				        "turn, pass %d, N=%lu: %s stored %s after a failed turn, "
+				        "before it %s\n",
+				        pass, fail_at, turn_ids[i], stored[i] ? stored[i] : "?",
+				        before[i]);
+			CHECK(stored[i] && strcmp(before[i], stored[i]) == 0);
+		}
+	}
+	CHECK(store_load_open(o.s, count_open_t2, &open) == 0);
+	if ((open == 0) != to->closed)
+		fprintf(stderr, "turn, pass %d, N=%lu: t2 is %s in the store, committed %d: %.*s\n",
+		        pass, fail_at, open ? "open" : "closed", to->committed, (int)out.len,
+		        out.data);
+	CHECK((open == 0) == to->closed);
+	/* Each reads back (from the store when it left memory) as the store holds it. */
+	for (int i = 0; i < 3; i++) {
+		char line[96];
+		struct convo *c;
+		out.len = 0;
+		snprintf(line, sizeof(line), "{\"op\":\"describe\",\"conversation\":\"%s\"}",
+		         turn_ids[i]);
+		send_line(d, line, &out);
+		c = registry_get(&d->reg, turn_ids[i], 2);
+		if (c) {
+			char *mem = versions_text(c, true);
+			CHECK(mem && stored[i] && strcmp(mem, stored[i]) == 0);
+			free(mem);
+		} else {
+			CHECK(stored[i] && strcmp(stored[i], "none") == 0);
+		}
+		free(before[i]);
+		free(stored[i]);
+	}
+	dispatch_commit(d, false);
+	buf_free(&out);
+	over_store_close(&o);
+}
+
+static void turn_refused(void)
+{
+	struct turn_outcome ref, to;
+	unsigned long n, failed_turns[2] = {0, 0};
+
+	turn_run(0, 0, &ref);
+	CHECK(ref.committed && ref.all_ok && ref.closed && !ref.refused);
+	for (int pass = 0; pass < 2; pass++) {
+		for (n = 1;; n++) {
+			long live = A.live;
+			turn_run(pass, n, &to);
+			if (to.committed && to.all_ok)
+				for (int i = 0; i < 3; i++)
+					CHECK(to.after[i] && ref.after[i] &&
+					      strcmp(to.after[i], ref.after[i]) == 0);
+			for (int i = 0; i < 3; i++)
+				free(to.after[i]);
+			if (A.live != live)
+				fprintf(stderr, "turn, pass %d, N=%lu: %ld allocations not freed\n",
+				        pass, n, A.live - live);
+			CHECK(A.live == live);
+			if (!to.refused)
+				break;
+			failed_turns[pass] += !to.committed;
+		}
+		fprintf(stderr,
+		        "alloc_fail: a turn of changes over the store, %s: %lu allocations, %lu "
+		        "turns failed\n",
+		        pass ? "memory out from the Nth allocation on"
+		             : "the Nth allocation refused",
+		        n - 1, failed_turns[pass]);
+		CHECK(n > 10 && failed_turns[pass] > 0);
+	}
+	for (int i = 0; i < 3; i++)
+		free(ref.after[i]);
 }
 
 /* --- the server: accepting, reading, framing, writing ------------------------------------ */
@@ -1509,6 +1726,7 @@ int main(void)
 	submit_seqs();
 	submit_seqs_refused();
 	flush_refused();
+	turn_refused();
 	server_refused(false);
 	server_refused(true);
 	server_spare_out();
