@@ -951,20 +951,67 @@ static void marks_one(void *arg, struct convo *c)
 	}
 }
 
+/* store_load_open's callback: counts the open conversations named id. */
+struct open_count {
+	const char *id;
+	int n;
+};
+
 static int count_open(void *arg, struct convo *c)
 {
-	if (c->id_len == 2 && memcmp(c->id, "f2", 2) == 0)
-		(*(int *)arg)++;
+	struct open_count *k = arg;
+	if (c->id_len == strlen(k->id) && memcmp(c->id, k->id, c->id_len) == 0)
+		k->n++;
 	convo_free(c);
 	return 0;
 }
 
-static int count_open_t2(void *arg, struct convo *c)
+/* Arms the allocator for a turn: this thread's fail_at-th allocation is refused, and with
+ * out_from every later one too (memory runs out). */
+static void arm_turn(unsigned long fail_at, bool out_from)
 {
-	if (c->id_len == 2 && memcmp(c->id, "t2", 2) == 0)
-		(*(int *)arg)++;
-	convo_free(c);
-	return 0;
+	A.calls = 0;
+	A.fail_at = fail_at;
+	A.out_from = out_from;
+	A.failed = false;
+	A.one_thread = true;
+	A.thread = pthread_self();
+	ops_json_alloc_reset();
+	A.armed = true;
+}
+
+/* Commits the armed turn, disarms, and waits for the store. Whether the turn was written;
+ * *refused: an allocation was refused in it. */
+static bool commit_turn(struct dispatch *d, bool *refused)
+{
+	bool committed = dispatch_commit(d, false) == DISPATCH_COMMIT_SUBMITTED;
+	uint64_t failures;
+
+	A.armed = false;
+	A.out_from = false;
+	*refused = A.failed;
+	failures = d->failures;
+	CHECK(dispatch_sync(d) == 0 || !committed);
+	return committed && d->failures == failures;
+}
+
+/* Whether the answers in out hold one that starts with head, and it is ok. */
+static bool answered_ok(const struct buf *out, const char *head)
+{
+	const char *a = memmem(out->data, out->len, head, strlen(head)), *end;
+
+	if (!a)
+		return false;
+	end = memchr(a, '\n', (size_t)(out->data + out->len - a));
+	return memmem(a, (size_t)((end ? end : out->data + out->len) - a), "\"ok\":true", 9);
+}
+
+static void report_passes(const char *what, int pass, unsigned long allocations,
+                          unsigned long failed)
+{
+	fprintf(stderr, "alloc_fail: %s, %s: %lu allocations, %lu turns failed\n", what,
+	        pass ? "memory out from the Nth allocation on" : "the Nth allocation refused",
+	        allocations, failed);
 }
 
 static void on_sink_closed(void *arg)
@@ -991,7 +1038,7 @@ static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
 	    "{\"op\":\"add_assistant\",\"conversation\":\"f2\",\"contents\":\"five\"}",
 	};
 	const char *tmp = getenv("TMPDIR");
-	char dir[256], path[300], err[256], *close_answer;
+	char dir[256], path[300], err[256];
 	struct store *s = NULL;
 	struct sink *sink = NULL;
 	struct sink_config sc;
@@ -1004,8 +1051,7 @@ static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
 	uv_loop_t loop;
 	long live = A.live;
 	bool closed = false;
-	int open = 0;
-	unsigned long failures;
+	struct open_count open = {"f2", 0};
 
 	memset(fo, 0, sizeof(*fo));
 	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -1032,38 +1078,22 @@ static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
 
 	/* The turn. */
 	out.len = 0;
-	A.calls = 0;
-	A.fail_at = fail_at;
-	A.out_from = pass == 1;
-	A.failed = false;
-	A.one_thread = true;
-	A.thread = pthread_self();
-	ops_json_alloc_reset();
-	A.armed = true;
+	arm_turn(fail_at, pass == 1);
 	send_line(&d, "{\"id\":1,\"op\":\"flush\",\"conversation\":\"f1\"}", &out);
 	send_line(&d, "{\"id\":2,\"op\":\"close\",\"conversation\":\"f2\"}", &out);
-	fo->committed = dispatch_commit(&d, false) == DISPATCH_COMMIT_SUBMITTED;
-	A.armed = false;
-	A.out_from = false;
-	fo->refused = A.failed;
-	/* What was handed over is written, or has failed and been undone. */
-	failures = d.failures;
-	CHECK(dispatch_sync(&d) == 0 || !fo->committed);
-	if (d.failures != failures)
-		fo->committed = false;
-	close_answer = memmem(out.data, out.len, "{\"id\":2,", 7);
-	fo->closed = fo->committed && close_answer && strstr(close_answer, "\"ok\":true");
+	fo->committed = commit_turn(&d, &fo->refused);
+	fo->closed = fo->committed && answered_ok(&out, "{\"id\":2,");
 
 	/* Every mark moved has its spool row. */
 	spool_read(s, &spool);
 	registry_each(&d.reg, marks_one, &k);
 	CHECK(k.bad == 0);
 	CHECK(store_load_open(s, count_open, &open) == 0);
-	if ((open == 0) != fo->closed)
+	if ((open.n == 0) != fo->closed)
 		fprintf(stderr,
 		        "flush, pass %d, N=%lu: f2 is %s in the store, committed %d: %.*s\n", pass,
-		        fail_at, open ? "open" : "closed", fo->committed, (int)out.len, out.data);
-	CHECK((open == 0) == fo->closed);
+		        fail_at, open.n ? "open" : "closed", fo->committed, (int)out.len, out.data);
+	CHECK((open.n == 0) == fo->closed);
 	spool_rows_free(&spool);
 
 	/* Memory back: a flush tick of everything (as at a stop), and every stored message is
@@ -1126,12 +1156,8 @@ static void flush_refused(void)
 				break;
 			failed_commits[pass] += !fo.committed;
 		}
-		fprintf(stderr,
-		        "alloc_fail: a flush and a close with DynamoDB as the sink, %s: %lu "
-		        "allocations, %lu turns failed\n",
-		        pass ? "memory out from the Nth allocation on"
-		             : "the Nth allocation refused",
-		        n - 1, failed_commits[pass]);
+		report_passes("a flush and a close with DynamoDB as the sink", pass, n - 1,
+		              failed_commits[pass]);
 		CHECK(n > 10 && failed_commits[pass] > 0);
 	}
 	ddbclient_global_cleanup();
@@ -1214,8 +1240,7 @@ static void turn_run(int pass, unsigned long fail_at, struct turn_outcome *to)
 	struct dispatch *d = &o.d;
 	struct buf out = {NULL, 0, 0};
 	char *before[3], *stored[3];
-	unsigned long failures;
-	int open = 0;
+	struct open_count open = {"t2", 0};
 
 	memset(to, 0, sizeof(*to));
 	if (!over_store_open(&o))
@@ -1229,29 +1254,12 @@ static void turn_run(int pass, unsigned long fail_at, struct turn_outcome *to)
 		before[i] = stored_text(o.s, turn_ids[i], true);
 
 	out.len = 0;
-	A.calls = 0;
-	A.fail_at = fail_at;
-	A.out_from = pass == 1;
-	A.failed = false;
-	A.one_thread = true;
-	A.thread = pthread_self();
-	ops_json_alloc_reset();
-	A.armed = true;
+	arm_turn(fail_at, pass == 1);
 	for (size_t i = 0; i < sizeof(turn_lines) / sizeof(turn_lines[0]); i++)
 		send_line(d, turn_lines[i], &out);
-	to->committed = dispatch_commit(d, false) == DISPATCH_COMMIT_SUBMITTED;
-	A.armed = false;
-	A.out_from = false;
-	to->refused = A.failed;
-	failures = d->failures;
-	CHECK(dispatch_sync(d) == 0 || !to->committed);
-	if (d->failures != failures)
-		to->committed = false;
+	to->committed = commit_turn(d, &to->refused);
 	to->all_ok = !memmem(out.data, out.len, "\"ok\":false", 10);
-	{
-		char *close_answer = memmem(out.data, out.len, "{\"id\":5,", 7);
-		to->closed = to->committed && close_answer && strstr(close_answer, "\"ok\":true");
-	}
+	to->closed = to->committed && answered_ok(&out, "{\"id\":5,");
 
 	/* Memory is what the store holds. */
 	for (int i = 0; i < 3; i++) {
@@ -1279,12 +1287,12 @@ static void turn_run(int pass, unsigned long fail_at, struct turn_outcome *to)
 			CHECK(stored[i] && strcmp(before[i], stored[i]) == 0);
 		}
 	}
-	CHECK(store_load_open(o.s, count_open_t2, &open) == 0);
-	if ((open == 0) != to->closed)
+	CHECK(store_load_open(o.s, count_open, &open) == 0);
+	if ((open.n == 0) != to->closed)
 		fprintf(stderr, "turn, pass %d, N=%lu: t2 is %s in the store, committed %d: %.*s\n",
-		        pass, fail_at, open ? "open" : "closed", to->committed, (int)out.len,
+		        pass, fail_at, open.n ? "open" : "closed", to->committed, (int)out.len,
 		        out.data);
-	CHECK((open == 0) == to->closed);
+	CHECK((open.n == 0) == to->closed);
 	/* Each reads back (from the store when it left memory) as the store holds it. */
 	for (int i = 0; i < 3; i++) {
 		char line[96];
@@ -1334,12 +1342,7 @@ static void turn_refused(void)
 				break;
 			failed_turns[pass] += !to.committed;
 		}
-		fprintf(stderr,
-		        "alloc_fail: a turn of changes over the store, %s: %lu allocations, %lu "
-		        "turns failed\n",
-		        pass ? "memory out from the Nth allocation on"
-		             : "the Nth allocation refused",
-		        n - 1, failed_turns[pass]);
+		report_passes("a turn of changes over the store", pass, n - 1, failed_turns[pass]);
 		CHECK(n > 10 && failed_turns[pass] > 0);
 	}
 	for (int i = 0; i < 3; i++)
