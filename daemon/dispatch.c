@@ -413,9 +413,9 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 	}
 	if (unread) {
 		log_msg(LOG_ERROR, "store",
-		        "%zu conversations could not be read back after the failed commit (%s); "
-		        "they are read again when next asked for",
-		        unread, strerror(-unread_rc));
+		        "%zu conversation%s could not be read back after the failed commit (%s); "
+		        "read again when next asked for",
+		        unread, unread == 1 ? "" : "s", strerror(-unread_rc));
 		if (d->remote)
 			d->reread_open = true;
 	}

@@ -29,8 +29,8 @@ conversation.
 
 Three operations that change many rows at once are cut at every sync, just before and just
 after it, and halfway between two: a schema upgrade at the start (5 to 6: the index of the
-dead letters; and 2 to 6, from a store of convod's old schema written here, whose messages
-and journal become segments, then copied into the database file by a checkpoint),
+dead letters; and 1 or 2 to 6, from a store of convod's old schemas written here, whose
+messages and journal become segments, then copied into the database file by a checkpoint),
 retry_dead_letters' move in parts, and the retention purge. Each image must
 hold the operation done or not done (each part of the move, whole), never half of it. A
 stop (its checkpoint, then the WAL removed) is cut the same way: every acknowledged message
@@ -507,32 +507,34 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
     assert any(0 < s < n for _, _, s in seen) or rng, seen
 
 
-# convod's schema before 3 (2 had the journal), as test_store.c writes it.
-SCHEMA2 = """
+# convod's schema 1, and the journal that schema 2 added, as test_store.c writes them.
+OLD_SCHEMA = """
 CREATE TABLE conversations(id BLOB PRIMARY KEY NOT NULL, updated INTEGER NOT NULL,
  closed INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
 CREATE TABLE messages(conversation BLOB NOT NULL, sk TEXT NOT NULL,
  version INTEGER NOT NULL, updated INTEGER NOT NULL, client_seen INTEGER NOT NULL,
  confirmed INTEGER NOT NULL DEFAULT 0, map_bytes INTEGER NOT NULL, map TEXT NOT NULL,
  PRIMARY KEY(conversation, sk));
-CREATE TABLE journal(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL,
- sk TEXT NOT NULL, version INTEGER NOT NULL, updated INTEGER NOT NULL,
- client_seen INTEGER NOT NULL, map_bytes INTEGER NOT NULL, map TEXT NOT NULL);
 CREATE TABLE spool(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL, sk TEXT NOT NULL,
  version INTEGER NOT NULL, enqueued INTEGER NOT NULL, UNIQUE(sk, conversation));
 CREATE TABLE dead_letters(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL,
  sk TEXT NOT NULL, version INTEGER NOT NULL, item TEXT, error TEXT NOT NULL,
  at INTEGER NOT NULL);
 PRAGMA application_id=1668183652;
-PRAGMA user_version=2;
+"""
+OLD_JOURNAL = """
+CREATE TABLE journal(seq INTEGER PRIMARY KEY, conversation BLOB NOT NULL,
+ sk TEXT NOT NULL, version INTEGER NOT NULL, updated INTEGER NOT NULL,
+ client_seen INTEGER NOT NULL, map_bytes INTEGER NOT NULL, map TEXT NOT NULL);
 """
 
 
-def write_schema2_store(daemon_factory, path, nconvs, nmsgs):
-    """A store as convod's schema 2 wrote it at path: nconvs conversations of nmsgs
-    messages (their maps made by a memory-only daemon), each message in the messages
-    table at version 1, and every third one again in the journal at version 2 with other
-    text. Returns {conversation: the texts get_messages must give, in order}."""
+def write_old_store(daemon_factory, path, schema, nconvs, nmsgs):
+    """A store as convod's schema 1 or 2 wrote it at path: nconvs conversations of nmsgs
+    messages (their maps made by a memory-only daemon) at version 1, every third one
+    changed once more (version 2, other text): with schema 2 in the journal, over version
+    1 in the messages table; with schema 1 in the table. Returns {conversation: the texts
+    get_messages must give, in order}."""
     m = daemon_factory(["--memory-only"])
     c = m.connect()
     want, rows, journal = {}, [], []
@@ -546,19 +548,26 @@ def write_schema2_store(daemon_factory, path, nconvs, nmsgs):
             rows.append((conv.encode(), msg["id"], 1, 1000 + i, json.dumps(msg)))
             if i % 3 == 0:
                 msg["message"]["contents"] = [text + " again"]
-                journal.append((conv.encode(), msg["id"], 2, 2000 + i, json.dumps(msg)))
+                newer = (conv.encode(), msg["id"], 2, 2000 + i, json.dumps(msg))
+                if schema == 2:
+                    journal.append(newer)
+                else:
+                    rows[-1] = newer
                 text += " again"
             want[conv].append(text)
     assert m.stop() == 0
     db = sqlite3.connect(path)
     try:
-        db.executescript(SCHEMA2)
+        db.executescript(OLD_SCHEMA + (OLD_JOURNAL if schema == 2 else "") +
+                         "PRAGMA user_version=%d;" % schema)
         db.executemany("INSERT INTO conversations VALUES(?, 3000, 0)",
                        [(conv.encode(),) for conv in want])
         db.executemany("INSERT INTO messages(conversation, sk, version, updated, client_seen,"
                        " map_bytes, map) VALUES(?, ?, ?, ?, 0, length(?5), ?5)", rows)
-        db.executemany("INSERT INTO journal(conversation, sk, version, updated, client_seen,"
-                       " map_bytes, map) VALUES(?, ?, ?, ?, 0, length(?5), ?5)", journal)
+        if journal:
+            db.executemany("INSERT INTO journal(conversation, sk, version, updated,"
+                           " client_seen, map_bytes, map)"
+                           " VALUES(?, ?, ?, ?, 0, length(?5), ?5)", journal)
         db.commit()
     finally:
         db.close()
@@ -568,24 +577,28 @@ def write_schema2_store(daemon_factory, path, nconvs, nmsgs):
 @pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
                     "ASan stages run it")
 @pytest.mark.parametrize("unsynced", ["lost", "torn"])
-def test_power_loss_in_upgrade_from_schema_2(unsynced, daemon_factory):
-    """A store of convod's schema 2 (a messages table, and a journal of newer versions),
-    upgraded to 6 as the daemon starts at machine: one transaction that folds the journal
-    into the messages, builds each conversation's segment from them and drops both old
-    tables. A power loss anywhere in it leaves schema 2 with its tables or 6 without them,
-    never between, and every conversation whole, at its newest versions, either way."""
+@pytest.mark.parametrize("schema", [1, 2])
+def test_power_loss_in_old_schema_upgrade(schema, unsynced, daemon_factory):
+    """A store of convod's schema 1 (a messages table) or 2 (and a journal of newer
+    versions), upgraded to 6 as the daemon starts at machine: one transaction that folds
+    the journal into the messages, builds each conversation's segment from them and drops
+    the old tables. A power loss anywhere in it leaves the old schema with its tables or 6
+    without them, never between, and every conversation whole, at its newest versions,
+    either way."""
     args = ["--durability", "machine"]
+    upgrade = "upgraded from schema %d to 6" % schema
+    old = {"messages", "journal"} if schema == 2 else {"messages"}
     d = daemon_factory(args, start=False)
     os.makedirs(d.state_dir)
-    want = write_schema2_store(daemon_factory, os.path.join(d.state_dir, "convod.db"),
-                               60, 40)
+    want = write_old_store(daemon_factory, os.path.join(d.state_dir, "convod.db"), schema,
+                           60, 40)
     os.sync()
     base = files_of(d.state_dir)
     log = recorded(d)
     d.start()
     c = d.connect()
     assert c.ok({"op": "get_messages", "conversation": "old-0"})["messages"]
-    assert "upgraded from schema 2 to 6" in d.log()
+    assert upgrade in d.log()
     # And the checkpoint that copies the upgrade into the database file.
     deadline = time.time() + scaled(10)
     while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
@@ -611,19 +624,19 @@ def test_power_loss_in_upgrade_from_schema_2(unsynced, daemon_factory):
         finally:
             db.close()
         seen.append((cut, version))
-        assert (version, {"messages", "journal"} <= tables, "segments" in tables) in (
-            (2, True, False), (6, False, True)), (cut, version, sorted(tables))
+        assert (version, tables & {"messages", "journal"}, "segments" in tables) in (
+            (schema, old, False), (6, set(), True)), (cut, version, sorted(tables))
         d2.start()
         c2 = d2.connect()
         for conv, texts in want.items():
             got = c2.ok({"op": "get_messages", "conversation": conv})["messages"]
             assert [m["message"]["contents"] for m in got] == [[t] for t in texts], (cut, conv)
-        stopped_at_6(d2, "upgraded from schema 2 to 6" if version == 2 else None, cut)
+        stopped_at_6(d2, upgrade if version == schema else None, cut)
     print("cuts (record, schema):", seen)
     if rng is None:  # the images of later cuts hold no less
         assert [v for _, v in seen] == sorted(v for _, v in seen), seen
     # The cuts fell before the upgrade's commit and after it.
-    assert seen[0][1] == 2 and seen[-1][1] == 6, seen
+    assert seen[0][1] == schema and seen[-1][1] == 6, seen
 
 
 @pytest.mark.skipif(not FAKETIME, reason="libfaketime is not installed (tests/deps.sh)")
