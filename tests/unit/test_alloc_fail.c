@@ -1024,11 +1024,65 @@ static void send_line(struct dispatch *d, const char *line, struct buf *out)
 	dispatch_line(d, line, strlen(line), out, NULL, DISPATCH_REMOTE_CHECK);
 }
 
-struct flush_outcome {
-	bool refused, committed, closed;
+/* A run of the flush test: the turn's allocations refused from fail_at (pass 0: only that
+ * one; 1: it and every later one), then, when tick_at is not 0, the same for a flush tick
+ * of everything (tick_pass, tick_at) before the one with memory back. */
+struct flush_plan {
+	int pass;
+	unsigned long fail_at;
+	int tick_pass;
+	unsigned long tick_at;
 };
 
-static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
+struct flush_outcome {
+	bool refused, committed, closed;
+	bool reread;                    /* the turn left reread_open set */
+	bool tick_refused, tick_reread; /* the failing tick: refused; reread_open after it */
+	bool tick_committed;            /* its commit went through */
+};
+
+/* Checks that every mark moved has its spool row and that f2 is closed in the store exactly
+ * when closed. */
+static void flush_check(struct dispatch *d, struct store *s, const struct flush_plan *p,
+                        bool closed, const char *when)
+{
+	struct spool_rows spool;
+	struct marks_check k = {&spool, p->fail_at, p->pass, 0, 0};
+	struct open_count open = {"f2", 0};
+
+	spool_read(s, &spool);
+	registry_each(&d->reg, marks_one, &k);
+	if (k.bad)
+		fprintf(stderr, "flush, %s (tick pass %d, M=%lu): %zu marks with no spool row\n",
+		        when, p->tick_pass, p->tick_at, k.bad);
+	CHECK(k.bad == 0);
+	CHECK(store_load_open(s, count_open, &open) == 0);
+	if ((open.n == 0) != closed)
+		fprintf(stderr, "flush, pass %d, N=%lu, %s: f2 is %s in the store\n", p->pass,
+		        p->fail_at, when, open.n ? "open" : "closed");
+	CHECK((open.n == 0) == closed);
+	spool_rows_free(&spool);
+}
+
+/* Leaves the registry one entry short of its rehash, with the tombstones of conversations
+ * gone (closed and settled, say): the next registry_put allocates a new table, so that the
+ * put of a conversation read back from the store can be refused. */
+static void registry_at_threshold(struct registry *reg)
+{
+	char id[32];
+	int n = 0;
+
+	while ((reg->used + 1) * 4 < reg->cap * 3) {
+		struct convo *c;
+		snprintf(id, sizeof(id), "gone-%d", n++);
+		c = convo_new(id, strlen(id));
+		CHECK(c && registry_put(reg, c) == 0);
+		convo_free(registry_take(reg, id, strlen(id)));
+	}
+	CHECK((reg->used + 1) * 4 >= reg->cap * 3 && reg->count == 2);
+}
+
+static void flush_run(const struct flush_plan *p, struct flush_outcome *fo)
 {
 	static const char *const adds[] = {
 	    "{\"op\":\"add_user\",\"conversation\":\"f1\",\"contents\":\"one\"}",
@@ -1047,11 +1101,11 @@ static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
 	struct dispatch d;
 	struct buf out = {NULL, 0, 0};
 	struct spool_rows spool, want = {NULL, 0, 0};
-	struct marks_check k = {&spool, fail_at, pass, 0, 0};
 	uv_loop_t loop;
 	long live = A.live;
 	bool closed = false;
-	struct open_count open = {"f2", 0};
+	int pass = p->pass;
+	unsigned long fail_at = p->fail_at;
 
 	memset(fo, 0, sizeof(*fo));
 	snprintf(dir, sizeof(dir), "%s/test_alloc_fail.XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -1075,6 +1129,7 @@ static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
 	CHECK(dispatch_commit(&d, false) == DISPATCH_COMMIT_SUBMITTED);
 	CHECK(dispatch_sync(&d) == 0);
 	CHECK(!memmem(out.data, out.len, "\"ok\":false", 10));
+	registry_at_threshold(&d.reg);
 
 	/* The turn. */
 	out.len = 0;
@@ -1083,18 +1138,23 @@ static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
 	send_line(&d, "{\"id\":2,\"op\":\"close\",\"conversation\":\"f2\"}", &out);
 	fo->committed = commit_turn(&d, &fo->refused);
 	fo->closed = fo->committed && answered_ok(&out, "{\"id\":2,");
+	fo->reread = d.reread_open;
+	flush_check(&d, s, p, fo->closed, "after the turn");
 
-	/* Every mark moved has its spool row. */
-	spool_read(s, &spool);
-	registry_each(&d.reg, marks_one, &k);
-	CHECK(k.bad == 0);
-	CHECK(store_load_open(s, count_open, &open) == 0);
-	if ((open.n == 0) != fo->closed)
-		fprintf(stderr,
-		        "flush, pass %d, N=%lu: f2 is %s in the store, committed %d: %.*s\n", pass,
-		        fail_at, open.n ? "open" : "closed", fo->committed, (int)out.len, out.data);
-	CHECK((open.n == 0) == fo->closed);
-	spool_rows_free(&spool);
+	/* A flush tick of everything with its allocations refused: it may fail anywhere, the
+	 * reread of the conversations the turn dropped among it, and leave the same. */
+	if (p->tick_at) {
+		uint64_t failures = d.failures;
+		arm_turn(p->tick_at, p->tick_pass == 1);
+		dispatch_flush_tick(&d, true); /* commits what it did */
+		A.armed = false;
+		A.out_from = false;
+		fo->tick_refused = A.failed;
+		CHECK(dispatch_sync(&d) == 0 || d.failures != failures);
+		fo->tick_committed = d.failures == failures && !d.store_failing;
+		fo->tick_reread = d.reread_open;
+		flush_check(&d, s, p, fo->closed, "after the failing tick");
+	}
 
 	/* Memory back: a flush tick of everything (as at a stop), and every stored message is
 	 * in the spool. */
@@ -1138,27 +1198,62 @@ static void flush_run(int pass, unsigned long fail_at, struct flush_outcome *fo)
 	CHECK(unlink(path) == 0);
 	CHECK(rmdir(dir) == 0);
 	if (A.live != live)
-		fprintf(stderr, "flush, pass %d, N=%lu: %ld allocations not freed\n", pass, fail_at,
-		        A.live - live);
+		fprintf(stderr,
+		        "flush, pass %d, N=%lu (tick pass %d, M=%lu): %ld allocations not freed\n",
+		        pass, fail_at, p->tick_pass, p->tick_at, A.live - live);
 	CHECK(A.live == live);
 }
 
 static void flush_refused(void)
 {
 	struct flush_outcome fo;
-	unsigned long n, failed_commits[2] = {0, 0};
+	unsigned long n, failed_commits[2] = {0, 0}, reread_at[64];
+	size_t nreread = 0;
 
 	CHECK(ddbclient_global_init() == 0);
 	for (int pass = 0; pass < 2; pass++) {
 		for (n = 1;; n++) {
-			flush_run(pass, n, &fo);
+			struct flush_plan p = {pass, n, 0, 0};
+			flush_run(&p, &fo);
 			if (!fo.refused)
 				break;
 			failed_commits[pass] += !fo.committed;
+			if (fo.reread && nreread < sizeof(reread_at) / sizeof(reread_at[0]))
+				reread_at[nreread++] = n;
 		}
 		report_passes("a flush and a close with DynamoDB as the sink", pass, n - 1,
 		              failed_commits[pass]);
 		CHECK(n > 10 && failed_commits[pass] > 0);
+	}
+	/* The tick after a turn that dropped conversations it could not read back (memory out
+	 * from N): its allocations refused in turn, the reread among them. The first and the
+	 * last such N (two, to keep the run short). */
+	CHECK(nreread > 1);
+	for (size_t i = 0; i < 2 && nreread > 1; i++) {
+		unsigned long at = reread_at[i ? nreread - 1 : 0];
+		for (int tick_pass = 0; tick_pass < 2; tick_pass++) {
+			unsigned long m, failed = 0, reread = 0;
+			for (m = 1;; m++) {
+				struct flush_plan p = {1, at, tick_pass, m};
+				flush_run(&p, &fo);
+				CHECK(fo.reread);
+				if (!fo.tick_refused)
+					break;
+				failed += !fo.tick_committed;
+				reread += fo.tick_reread;
+			}
+			CHECK(!fo.tick_reread &&
+			      fo.tick_committed); /* memory enough: it reads again */
+			fprintf(
+			    stderr,
+			    "alloc_fail: the flush tick after a turn with memory out from N=%lu, "
+			    "%s: %lu allocations, %lu ticks failed, %lu left the reread to do\n",
+			    at,
+			    tick_pass ? "memory out from the Mth allocation on"
+			              : "the Mth allocation refused",
+			    m - 1, failed, reread);
+			CHECK(m > 10 && reread > 0);
+		}
 	}
 	ddbclient_global_cleanup();
 }
