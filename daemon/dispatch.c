@@ -423,40 +423,49 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 
 /* Copies the "id":ID, member that opens an answer written by answer_open, if any: the
  * request's id as it was echoed. */
-static void answer_copy_id(struct buf *to, const char *answer, size_t len)
+static int answer_copy_id(struct buf *to, const char *answer, size_t len)
 {
 	static const char head[] = "{\"id\":";
 	struct jscan_value v;
 	size_t end;
 
 	if (len < sizeof(head) - 1 || memcmp(answer, head, sizeof(head) - 1) != 0)
-		return;
+		return 0;
 	answer += sizeof(head) - 1;
 	len -= sizeof(head) - 1;
-	if (jscan_value(answer, len, &v, &end) == 0) {
-		buf_append(to, "\"id\":", 5);
-		buf_append(to, answer, end);
-		buf_append(to, ",", 1);
-	}
+	if (jscan_value(answer, len, &v, &end) == 0 &&
+	    (buf_append(to, "\"id\":", 5) < 0 || buf_append(to, answer, end) < 0 ||
+	     buf_append(to, ",", 1) < 0))
+		return -ENOMEM;
+	return 0;
 }
 
-void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len,
-                          enum op op)
+int dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len,
+                         enum op op)
 {
+	/* When jansson has no memory for the message: the same code, a fixed text. */
+	static const char fixed[] = "{\"code\":\"unavailable\",\"message\":\"the local store "
+	                            "cannot be written; nothing was changed, retry later\"}";
+	size_t mark = to->len;
 	struct error err;
 	json_t *e;
+	int rc;
 
 	error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later",
 	          d->fail_why ? d->fail_why : "the local store cannot be written");
 	stats_error(&d->stats, op, ERR_UNAVAILABLE);
 	/* The same envelope as answer_error, without counting a request. */
 	e = json_pack("{s:s, s:s}", "code", "unavailable", "message", err.message);
-	buf_append(to, "{", 1);
-	answer_copy_id(to, answer, len);
-	buf_append(to, "\"ok\":false,\"error\":", 19);
-	buf_append_json(to, e);
-	buf_append(to, "}\n", 2);
+	rc = buf_append(to, "{", 1) < 0 || answer_copy_id(to, answer, len) < 0 ||
+	             buf_append(to, "\"ok\":false,\"error\":", 19) < 0 ||
+	             (e ? buf_append_json(to, e) : buf_append(to, fixed, sizeof(fixed) - 1)) < 0 ||
+	             buf_append(to, "}\n", 2) < 0
+	         ? -ENOMEM
+	         : 0;
 	json_decref(e);
+	if (rc < 0)
+		to->len = mark;
+	return rc;
 }
 
 /* A commit failed (rc): put memory back as the store holds it, void what was taken after
@@ -1085,12 +1094,15 @@ static void answer_count(struct dispatch *d, struct buf *out, size_t start, enum
 	mark_answer(d);
 }
 
-void dispatch_too_large_line(struct dispatch *d, struct buf *out)
+enum dispatch_result dispatch_too_large_line(struct dispatch *d, struct buf *out)
 {
+	size_t start = out->len;
 	struct error err;
+
 	error_set(&err, ERR_TOO_LARGE, "request line longer than %zu bytes; discarded",
 	          d->cfg->max_line_bytes);
 	answer_error(d, out, NULL, OP_UNKNOWN, &err);
+	return out->len == start ? DISPATCH_LOST : DISPATCH_DONE;
 }
 
 /* A blank line (protocol.md: empty or only white space, any of Unicode's; valid UTF-8). */
@@ -2244,11 +2256,14 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 {
 	enum op op = OP_UNKNOWN;
 	uint64_t t0 = mono_ns();
+	size_t start = out->len;
 	enum dispatch_result r;
 
 	d->answer_dependent = false;
 	r = dispatch_one(d, line, len, out, waiter, remote, &op);
 	d->answer_op = op;
+	if (r == DISPATCH_DONE && out->len == start && !is_blank(line, len))
+		r = DISPATCH_LOST;
 
 	d->stats.time_ns_by_op[op] += mono_ns() - t0;
 	return r;

@@ -49,8 +49,11 @@ enum dispatch_remote {
 enum dispatch_result {
 	DISPATCH_DONE = 0, /* answered into out (or a blank line) */
 	DISPATCH_WAIT,     /* waiting for a restore from DynamoDB: hold the line, serve nothing
-			    * more on that connection until the ready callback, then dispatch the
-			    * same line again with the remote outcome it gives */
+	                    * more on that connection until the ready callback, then dispatch the
+	                    * same line again with the remote outcome it gives */
+	DISPATCH_LOST,     /* handled, but out had no room left for its answer (memory ran out,
+	                    * even for the fixed error): the client would wait for it forever, so
+	                    * the caller drops the connection */
 };
 
 /* Called when a restore the waiter waited for is over. */
@@ -174,8 +177,9 @@ void dispatch_retry_stop(struct dispatch *d);
 /* The waiter went away (its connection closed): it is not called back. */
 void dispatch_cancel_wait(struct dispatch *d, void *waiter);
 
-/* Answers a line that went over --max-line-bytes. */
-void dispatch_too_large_line(struct dispatch *d, struct buf *out);
+/* Answers a line that went over --max-line-bytes: DISPATCH_DONE, or DISPATCH_LOST when out
+ * had no room for the answer. */
+enum dispatch_result dispatch_too_large_line(struct dispatch *d, struct buf *out);
 
 /* The group commit: hands what changed this turn to the store's writer (with durability
  * none only when force is set: the flush timer), and returns at once. The answers written
@@ -211,9 +215,9 @@ int dispatch_sync(struct dispatch *d);
 
 /* Appends to `to` the `unavailable` answer that replaces the ok answer answer[0..len) to a
  * request of op (d->answer_op when it was made) after a failed commit (the request's id
- * kept). */
-void dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len,
-                          enum op op);
+ * kept). 0, or -ENOMEM with `to` unchanged. */
+int dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len,
+                         enum op op);
 
 /* The flush timer: takes each conversation's new messages into the spool (the last one too
  * once the conversation is idle, or when all is set), commits, and purges closed

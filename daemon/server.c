@@ -196,6 +196,15 @@ static void conn_read_start(struct conn *c)
 		conn_close(c);
 }
 
+/* Memory ran out even for the fixed error answer: the client would wait for an answer that
+ * never comes (its connection is read on, and answers go out in order), so it is dropped,
+ * its earlier answers with it; a client that loses its connection knows to retry. */
+static void conn_answer_lost(struct conn *c)
+{
+	log_msg(LOG_ERROR, "server", "out of memory writing an answer; closing the connection");
+	conn_close(c);
+}
+
 /* dispatch_line, remembering a dependent answer. */
 static enum dispatch_result conn_dispatch(struct conn *c, const char *line, size_t len,
                                           enum dispatch_remote remote)
@@ -204,6 +213,10 @@ static enum dispatch_result conn_dispatch(struct conn *c, const char *line, size
 	size_t start = c->out.len;
 	enum dispatch_result r = dispatch_line(d, line, len, &c->out, c, remote);
 
+	if (r == DISPATCH_LOST) {
+		conn_answer_lost(c);
+		return DISPATCH_DONE;
+	}
 	if (d->answer_dependent && c->out.len > start) {
 		if (c->ndeps == c->capdeps) {
 			size_t ncap = c->capdeps ? 2 * c->capdeps : 8;
@@ -249,7 +262,10 @@ static void conn_serve(struct conn *c)
 		if (ev == FRAMER_NONE)
 			break;
 		if (ev == FRAMER_TOO_LARGE) {
-			dispatch_too_large_line(d, &c->out);
+			if (dispatch_too_large_line(d, &c->out) == DISPATCH_LOST) {
+				conn_answer_lost(c);
+				return;
+			}
 		} else if (conn_dispatch(c, line, len, DISPATCH_REMOTE_CHECK) == DISPATCH_WAIT) {
 			/* Keep the line; the answers after it wait for it (in order). */
 			c->held = malloc(len ? len : 1);
@@ -478,29 +494,40 @@ static void conn_fail_deps(struct conn *c)
 	if (c->closing)
 		return;
 	if (c->ndeps) {
-		for (size_t i = 0; i < c->ndeps; i++) {
+		int rc = 0;
+		for (size_t i = 0; i < c->ndeps && !rc; i++) {
 			struct dep dp = c->deps[i];
 			uint64_t seq = dp.seq ? dp.seq : dispatch_seq_after(d, dp.sub);
-			buf_append(&fresh, c->out.data + pos, dp.start - pos);
+			rc = buf_append(&fresh, c->out.data + pos, dp.start - pos);
 			pos = dp.end;
-			if (seq && seq != DISPATCH_SEQ_VOID && seq <= d->committed) {
-				buf_append(&fresh, c->out.data + dp.start, dp.end - dp.start);
+			if (rc) {
+				break;
+			} else if (seq && seq != DISPATCH_SEQ_VOID && seq <= d->committed) {
+				rc = buf_append(&fresh, c->out.data + dp.start, dp.end - dp.start);
 			} else if (dp.epoch == d->failures) {
 				/* Made after the failure: it stands, and still waits for its
 				 * commit. */
 				size_t start = fresh.len;
-				buf_append(&fresh, c->out.data + dp.start, dp.end - dp.start);
+				rc = buf_append(&fresh, c->out.data + dp.start, dp.end - dp.start);
 				dp.start = start;
 				dp.end = fresh.len;
 				c->deps[k++] = dp;
 				if (dp.seq > wait) /* (never void: see server_turn) */
 					wait = dp.seq;
 			} else {
-				dispatch_fail_answer(d, &fresh, c->out.data + dp.start,
-				                     dp.end - dp.start, dp.op);
+				rc = dispatch_fail_answer(d, &fresh, c->out.data + dp.start,
+				                          dp.end - dp.start, dp.op);
 			}
 		}
-		buf_append(&fresh, c->out.data + pos, c->out.len - pos);
+		if (!rc)
+			rc = buf_append(&fresh, c->out.data + pos, c->out.len - pos);
+		if (rc) {
+			/* No memory for the answers as they must now read: giving the rest
+			 * would skip some, so none are given (conn_answer_lost). */
+			buf_free(&fresh);
+			conn_answer_lost(c);
+			return;
+		}
 		buf_free(&c->out);
 		c->out = fresh;
 	}

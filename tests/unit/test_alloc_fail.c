@@ -1558,8 +1558,11 @@ static double now_s(void)
  * closed the connection, or 5 s passed; then closes and lets the server see it. The
  * complete lines that came back are in got (NUL-terminated); *closed says the server
  * closed first. */
-static size_t rig_exchange(struct rig *r, const char *payload, char *got, size_t cap, size_t want,
-                           bool *closed)
+/* Sends payload on a new connection and reads until want answers came, the server closed
+ * it, or 5 s passed. With memory_back_s >= 0, the armed allocator is disarmed that many
+ * seconds in (memory comes back while the exchange goes on). */
+static size_t rig_exchange_back(struct rig *r, const char *payload, char *got, size_t cap,
+                                size_t want, bool *closed, double memory_back_s)
 {
 	struct sockaddr_un sa;
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -1577,6 +1580,10 @@ static size_t rig_exchange(struct rig *r, const char *payload, char *got, size_t
 	CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
 	while (lines < want && now_s() - t0 < 5) {
 		ssize_t n;
+		if (memory_back_s >= 0 && A.armed && now_s() - t0 >= memory_back_s) {
+			A.armed = false;
+			A.out_from = false;
+		}
 		if (sent < plen) {
 			n = send(fd, payload + sent, plen - sent, MSG_NOSIGNAL);
 			if (n > 0)
@@ -1601,6 +1608,12 @@ static size_t rig_exchange(struct rig *r, const char *payload, char *got, size_t
 	for (int i = 0; i < 50; i++)
 		uv_run(&r->loop, UV_RUN_NOWAIT);
 	return lines;
+}
+
+static size_t rig_exchange(struct rig *r, const char *payload, char *got, size_t cap, size_t want,
+                           bool *closed)
+{
+	return rig_exchange_back(r, payload, got, cap, want, closed, -1);
 }
 
 /* An answer's (id, ok, code) as one string, "?" for a line that is not an answer. */
@@ -1686,10 +1699,12 @@ static void server_spare_out(void)
 	CHECK(A.live == live_before);
 }
 
-static void server_refused(bool with_store)
+/* out: memory runs out at the Nth allocation, and comes back 50 ms into the exchange: the
+ * connection must then get its answers or be closed, never left hanging. */
+static void server_refused(bool with_store, bool out)
 {
 	char want[SRV_ANSWERS][64], got[65536], key[64];
-	unsigned long n, every = 1, errors = 0, closes = 0, total = 0;
+	unsigned long n, every = 1, errors = 0, closes = 0, total = 0, stalled = 0;
 	enum log_level level = log_get_level();
 
 	if (getenv("CONVOD_ALLOC_FAIL_EVERY"))
@@ -1703,6 +1718,7 @@ static void server_refused(bool with_store)
 		size_t lines, k = 0;
 		bool closed, refused;
 		const char *p;
+		double t0;
 
 		if (!rig_start(&r, with_store)) {
 			CHECK(!"server_start");
@@ -1710,10 +1726,15 @@ static void server_refused(bool with_store)
 		}
 		A.calls = 0;
 		A.fail_at = n;
+		A.out_from = out && n;
 		A.failed = false;
 		A.armed = true;
-		lines = rig_exchange(&r, srv_payload, got, sizeof(got), SRV_ANSWERS, &closed);
+		t0 = now_s();
+		lines = rig_exchange_back(&r, srv_payload, got, sizeof(got), SRV_ANSWERS, &closed,
+		                          out ? 0.05 : -1);
+		stalled += out && n && now_s() - t0 >= 0.05;
 		A.armed = false;
+		A.out_from = false;
 		refused = A.failed;
 		if (!n)
 			total = A.calls;
@@ -1768,9 +1789,12 @@ static void server_refused(bool with_store)
 	CHECK(total > 20);
 	CHECK(n > total);
 	fprintf(stderr,
-	        "alloc_fail server (%s): %lu allocations in the exchange, refused one at a time "
-	        "(every %lu): %lu answers were errors, %lu connections closed early\n",
-	        with_store ? "durability process" : "memory only", total, every, errors, closes);
+	        "alloc_fail server (%s): %lu allocations in the exchange, %s (every %lu): %lu "
+	        "answers were errors, %lu connections closed early, %lu exchanges waited for "
+	        "memory\n",
+	        with_store ? "durability process" : "memory only", total,
+	        out ? "memory out from the Nth on until 50 ms in" : "refused one at a time", every,
+	        errors, closes, stalled);
 }
 
 int main(void)
@@ -1825,8 +1849,10 @@ int main(void)
 	submit_seqs_refused();
 	flush_refused();
 	turn_refused();
-	server_refused(false);
-	server_refused(true);
+	server_refused(false, false);
+	server_refused(true, false);
+	server_refused(false, true);
+	server_refused(true, true);
 	server_spare_out();
 	for (size_t i = 0; i < NSTEPS; i++)
 		(free)(expected[i]);
