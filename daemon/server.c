@@ -196,9 +196,10 @@ static void conn_read_start(struct conn *c)
 		conn_close(c);
 }
 
-/* Memory ran out even for the fixed error answer: the client would wait for an answer that
- * never comes (its connection is read on, and answers go out in order), so it is dropped,
- * its earlier answers with it; a client that loses its connection knows to retry. */
+/* No memory to write an answer (not even the fixed error), or to rewrite a failed commit's
+ * answers: the client would wait for an answer that never comes (its connection is read
+ * on, and answers go out in order), so it is dropped, its unwritten answers with it; a
+ * client that loses its connection knows to retry. */
 static void conn_answer_lost(struct conn *c)
 {
 	log_msg(LOG_ERROR, "server", "out of memory writing an answer; closing the connection");
@@ -498,11 +499,10 @@ static void conn_fail_deps(struct conn *c)
 		for (size_t i = 0; i < c->ndeps && !rc; i++) {
 			struct dep dp = c->deps[i];
 			uint64_t seq = dp.seq ? dp.seq : dispatch_seq_after(d, dp.sub);
-			rc = buf_append(&fresh, c->out.data + pos, dp.start - pos);
-			pos = dp.end;
-			if (rc) {
+			if ((rc = buf_append(&fresh, c->out.data + pos, dp.start - pos)) != 0)
 				break;
-			} else if (seq && seq != DISPATCH_SEQ_VOID && seq <= d->committed) {
+			pos = dp.end;
+			if (seq && seq != DISPATCH_SEQ_VOID && seq <= d->committed) {
 				rc = buf_append(&fresh, c->out.data + dp.start, dp.end - dp.start);
 			} else if (dp.epoch == d->failures) {
 				/* Made after the failure: it stands, and still waits for its

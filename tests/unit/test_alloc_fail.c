@@ -980,6 +980,14 @@ static void arm_turn(unsigned long fail_at, bool out_from)
 	A.armed = true;
 }
 
+/* Memory back: disarms the allocator. Whether it refused anything since armed. */
+static bool disarm(void)
+{
+	A.armed = false;
+	A.out_from = false;
+	return A.failed;
+}
+
 /* Commits the armed turn, disarms, and waits for the store. Whether the turn was written;
  * *refused: an allocation was refused in it. */
 static bool commit_turn(struct dispatch *d, bool *refused)
@@ -987,9 +995,7 @@ static bool commit_turn(struct dispatch *d, bool *refused)
 	bool committed = dispatch_commit(d, false) == DISPATCH_COMMIT_SUBMITTED;
 	uint64_t failures;
 
-	A.armed = false;
-	A.out_from = false;
-	*refused = A.failed;
+	*refused = disarm();
 	failures = d->failures;
 	CHECK(dispatch_sync(d) == 0 || !committed);
 	return committed && d->failures == failures;
@@ -1147,9 +1153,7 @@ static void flush_run(const struct flush_plan *p, struct flush_outcome *fo)
 		uint64_t failures = d.failures;
 		arm_turn(p->tick_at, p->tick_pass == 1);
 		dispatch_flush_tick(&d, true); /* commits what it did */
-		A.armed = false;
-		A.out_from = false;
-		fo->tick_refused = A.failed;
+		fo->tick_refused = disarm();
 		CHECK(dispatch_sync(&d) == 0 || d.failures != failures);
 		fo->tick_committed = d.failures == failures && !d.store_failing;
 		fo->tick_reread = d.reread_open;
@@ -1580,10 +1584,8 @@ static size_t rig_exchange_back(struct rig *r, const char *payload, char *got, s
 	CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
 	while (lines < want && now_s() - t0 < 5) {
 		ssize_t n;
-		if (memory_back_s >= 0 && A.armed && now_s() - t0 >= memory_back_s) {
-			A.armed = false;
-			A.out_from = false;
-		}
+		if (memory_back_s >= 0 && A.armed && now_s() - t0 >= memory_back_s)
+			disarm();
 		if (sent < plen) {
 			n = send(fd, payload + sent, plen - sent, MSG_NOSIGNAL);
 			if (n > 0)
@@ -1733,9 +1735,7 @@ static void server_refused(bool with_store, bool out)
 		lines = rig_exchange_back(&r, srv_payload, got, sizeof(got), SRV_ANSWERS, &closed,
 		                          out ? 0.05 : -1);
 		stalled += out && n && now_s() - t0 >= 0.05;
-		A.armed = false;
-		A.out_from = false;
-		refused = A.failed;
+		refused = disarm();
 		if (!n)
 			total = A.calls;
 		/* Every answer is the right one, or an error the refusal made. */
