@@ -421,6 +421,44 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 	}
 }
 
+/* Makes msg valid UTF-8 in place: a message may quote request bytes, or be cut by the
+ * fixed-size buffer in the middle of a character. Invalid or cut sequences become '?'. */
+static void utf8_sanitize(char *msg)
+{
+	size_t n = strlen(msg);
+
+	for (size_t i = 0; i < n;) {
+		size_t k = (unsigned char)msg[i] < 0x80 ? 1 : buf_utf8_len(msg + i, n - i);
+		if (k == 0) {
+			msg[i++] = '?';
+			continue;
+		}
+		i += k;
+	}
+}
+
+/* The rest of an error answer after its "{" and id: "ok":false, the error object and the
+ * line's end. Written without jansson (no allocation but the buffer's own growth), so that
+ * a daemon out of memory still gets its error out when the buffer has room. The message
+ * is cleaned of invalid UTF-8 first, as answers are. 0 or -ENOMEM (out partly written:
+ * callers put its length back). */
+static int append_error(struct buf *out, const struct error *err)
+{
+	static const char head[] = "\"ok\":false,\"error\":{\"code\":\"";
+	static const char mid[] = "\",\"message\":";
+	struct error clean = *err;
+	const char *code = error_code_str(clean.code);
+
+	utf8_sanitize(clean.message);
+	return buf_append(out, head, sizeof(head) - 1) < 0 ||
+	               buf_append(out, code, strlen(code)) < 0 ||
+	               buf_append(out, mid, sizeof(mid) - 1) < 0 ||
+	               buf_append_jstring(out, clean.message, strlen(clean.message)) < 0 ||
+	               buf_append(out, "}}\n", 3) < 0
+	           ? -ENOMEM
+	           : 0;
+}
+
 /* Copies the "id":ID, member that opens an answer written by answer_open, if any: the
  * request's id as it was echoed. */
 static int answer_copy_id(struct buf *to, const char *answer, size_t len)
@@ -443,26 +481,18 @@ static int answer_copy_id(struct buf *to, const char *answer, size_t len)
 int dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer, size_t len,
                          enum op op)
 {
-	/* When jansson has no memory for the message: the same code, a fixed text. */
-	static const char fixed[] = "{\"code\":\"unavailable\",\"message\":\"the local store "
-	                            "cannot be written; nothing was changed, retry later\"}";
 	size_t mark = to->len;
 	struct error err;
-	json_t *e;
 	int rc;
 
 	error_set(&err, ERR_UNAVAILABLE, "%s; nothing was changed, retry later",
 	          d->fail_why ? d->fail_why : "the local store cannot be written");
 	stats_error(&d->stats, op, ERR_UNAVAILABLE);
 	/* The same envelope as answer_error, without counting a request. */
-	e = json_pack("{s:s, s:s}", "code", "unavailable", "message", err.message);
 	rc = buf_append(to, "{", 1) < 0 || answer_copy_id(to, answer, len) < 0 ||
-	             buf_append(to, "\"ok\":false,\"error\":", 19) < 0 ||
-	             (e ? buf_append_json(to, e) : buf_append(to, fixed, sizeof(fixed) - 1)) < 0 ||
-	             buf_append(to, "}\n", 2) < 0
+	             append_error(to, &err) < 0
 	         ? -ENOMEM
 	         : 0;
-	json_decref(e);
 	if (rc < 0)
 		to->len = mark;
 	return rc;
@@ -937,22 +967,6 @@ static void mark_answer(struct dispatch *d)
 		d->answer_dependent = true;
 }
 
-/* Makes msg valid UTF-8 in place: a message may quote request bytes, or be cut by the
- * fixed-size buffer in the middle of a character. Invalid or cut sequences become '?'. */
-static void utf8_sanitize(char *msg)
-{
-	size_t n = strlen(msg);
-
-	for (size_t i = 0; i < n;) {
-		size_t k = (unsigned char)msg[i] < 0x80 ? 1 : buf_utf8_len(msg + i, n - i);
-		if (k == 0) {
-			msg[i++] = '?';
-			continue;
-		}
-		i += k;
-	}
-}
-
 /* A request's id as its answer echoes it: its text as the request wrote it (raw), or
  * jansson's writing of the value. */
 struct reqid {
@@ -977,37 +991,11 @@ static int append_id(struct buf *out, const struct reqid *id)
 static void answer_error(struct dispatch *d, struct buf *out, const struct reqid *id, enum op op,
                          const struct error *err)
 {
-	struct error clean = *err;
-	json_t *e;
-
-	utf8_sanitize(clean.message);
-	e = json_pack("{s:{s:s, s:s}}", "error", "code", error_code_str(clean.code), "message",
-	              clean.message);
 	size_t mark = out->len;
 
 	stats_request(&d->stats, op, err->code);
-	if (!e)
-		goto oom;
-	if (buf_append(out, "{", 1) < 0)
-		goto oom;
-	if (append_id(out, id) < 0)
-		goto oom;
-	if (buf_append(out, "\"ok\":false,", 11) < 0)
-		goto oom;
-	/* The error object's text without its outer braces. */
-	{
-		size_t before = out->len;
-		if (buf_append_json(out, e) < 0)
-			goto oom;
-		memmove(out->data + before, out->data + before + 1, out->len - before - 1);
-		out->len -= 1;
-		if (buf_append(out, "\n", 1) < 0)
-			goto oom;
-	}
-	json_decref(e);
-	return;
-oom:
-	json_decref(e);
+	if (buf_append(out, "{", 1) == 0 && append_id(out, id) == 0 && append_error(out, err) == 0)
+		return;
 	out->len = mark;
 	{
 		static const char fixed[] = "\"ok\":false,\"error\":{\"code\":\"internal\","

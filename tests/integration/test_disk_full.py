@@ -77,6 +77,10 @@ def test_disk_full_answers_unavailable_and_recovers(daemon_factory, small_fs, du
     assert refused is not None, "a full disk must refuse some change"
     assert refused["error"]["code"] == "unavailable", refused
     assert refused["id"] == i, "the refused answer keeps the request's id"
+    # It says why: the same text whether the answer was the commit's own or an ok answer
+    # rewritten after the commit failed.
+    assert refused["error"]["message"] == \
+        "the local store is full (disk full); nothing was changed, retry later", refused
     # Counted once as a request of its op, and as an error of that op and code.
     s1 = c.ok({"op": "stats"})
     assert s1["requests"]["by_op"]["add_message"] - s0["requests"]["by_op"]["add_message"] \
@@ -179,6 +183,7 @@ def test_disk_full_with_commits_in_flight(daemon_factory, small_fs):
                     ok.add(text)
                 else:
                     assert r["error"]["code"] == "unavailable", r
+                    assert "(disk full)" in r["error"]["message"], r
                     assert r["id"] == "%d-%d" % (rnd, j)
                     refused.add(text)
                     if spares:
