@@ -992,11 +992,11 @@ static bool disarm(void)
  * *refused: an allocation was refused in it. */
 static bool commit_turn(struct dispatch *d, bool *refused)
 {
+	/* Counted before: a commit the loop writes itself fails inside dispatch_commit. */
+	uint64_t failures = d->failures;
 	bool committed = dispatch_commit(d, false) == DISPATCH_COMMIT_SUBMITTED;
-	uint64_t failures;
 
 	*refused = disarm();
-	failures = d->failures;
 	CHECK(dispatch_sync(d) == 0 || !committed);
 	return committed && d->failures == failures;
 }
@@ -1036,6 +1036,7 @@ static void send_line(struct dispatch *d, const char *line, struct buf *out)
 struct flush_plan {
 	int pass;
 	unsigned long fail_at;
+	bool full; /* the store at its size limit: the turn's commit fails (disk full) */
 	int tick_pass;
 	unsigned long tick_at;
 };
@@ -1137,12 +1138,37 @@ static void flush_run(const struct flush_plan *p, struct flush_outcome *fo)
 	CHECK(!memmem(out.data, out.len, "\"ok\":false", 10));
 	registry_at_threshold(&d.reg);
 
-	/* The turn. */
+	/* The turn. With full, it first adds a message too big for the pages the store has,
+	 * the store may not grow, and its commit fails whatever is refused: the read-backs
+	 * after it then run with the turn's allocations still being refused. */
 	out.len = 0;
-	arm_turn(fail_at, pass == 1);
+	if (p->full) {
+		char *big = malloc(70000);
+		CHECK(big && store_set_size_limit(s, 1) == 0);
+		if (big) {
+			int k = snprintf(big, 100,
+			                 "{\"op\":\"add_assistant\",\"conversation\":\"f1\","
+			                 "\"contents\":\"");
+			memset(big + k, 'x', 65536);
+			strcpy(big + k + 65536, "\"}");
+		}
+		arm_turn(fail_at, pass == 1);
+		if (big)
+			send_line(&d, big, &out);
+		free(big);
+	} else {
+		arm_turn(fail_at, pass == 1);
+	}
 	send_line(&d, "{\"id\":1,\"op\":\"flush\",\"conversation\":\"f1\"}", &out);
 	send_line(&d, "{\"id\":2,\"op\":\"close\",\"conversation\":\"f2\"}", &out);
 	fo->committed = commit_turn(&d, &fo->refused);
+	if (p->full) {
+		if (fo->committed)
+			fprintf(stderr, "the full turn committed; out: %.*s\n",
+			        (int)(out.len > 600 ? 600 : out.len), out.data);
+		CHECK(!fo->committed);
+		CHECK(store_set_size_limit(s, 0) == 0); /* space again */
+	}
 	fo->closed = fo->committed && answered_ok(&out, "{\"id\":2,");
 	fo->reread = d.reread_open;
 	flush_check(&d, s, p, fo->closed, "after the turn");
@@ -1217,7 +1243,7 @@ static void flush_refused(void)
 	CHECK(ddbclient_global_init() == 0);
 	for (int pass = 0; pass < 2; pass++) {
 		for (n = 1;; n++) {
-			struct flush_plan p = {pass, n, 0, 0};
+			struct flush_plan p = {pass, n, false, 0, 0};
 			flush_run(&p, &fo);
 			if (!fo.refused)
 				break;
@@ -1229,6 +1255,27 @@ static void flush_refused(void)
 		              failed_commits[pass]);
 		CHECK(n > 10 && failed_commits[pass] > 0);
 	}
+	/* The same turn on a full disk, so that its commit fails whatever memory does, and the
+	 * conversations are read back after it with allocations still refused: a read-back
+	 * that succeeds and then cannot be put in the registry (at its threshold) is one of
+	 * them. */
+	for (int pass = 0; pass < 2; pass++) {
+		unsigned long reread = 0;
+		for (n = 1;; n++) {
+			struct flush_plan p = {pass, n, true, 0, 0};
+			flush_run(&p, &fo);
+			if (!fo.refused)
+				break;
+			reread += fo.reread;
+		}
+		fprintf(stderr,
+		        "alloc_fail: a flush and a close on a full disk, %s: %lu allocations, %lu "
+		        "left the reread to do\n",
+		        pass ? "memory out from the Nth allocation on"
+		             : "the Nth allocation refused",
+		        n - 1, reread);
+		CHECK(n > 10 && reread > 0);
+	}
 	/* The tick after a turn that dropped conversations it could not read back (memory out
 	 * from N): its allocations refused in turn, the reread among them. The first and the
 	 * last such N (two, to keep the run short). */
@@ -1238,7 +1285,7 @@ static void flush_refused(void)
 		for (int tick_pass = 0; tick_pass < 2; tick_pass++) {
 			unsigned long m, failed = 0, reread = 0;
 			for (m = 1;; m++) {
-				struct flush_plan p = {1, at, tick_pass, m};
+				struct flush_plan p = {1, at, false, tick_pass, m};
 				flush_run(&p, &fo);
 				CHECK(fo.reread);
 				if (!fo.tick_refused)
