@@ -858,7 +858,10 @@ static void restore_refused(void)
  * After the turn, every message marked taken must have a committed spool row of that
  * version or a newer one, and the close must hold exactly when it was answered ok and the
  * turn committed. Once memory is back, a flush tick of everything must leave every stored
- * message of both in the spool at its stored version, and nothing may stay allocated. */
+ * message of both in the spool at its stored version, and nothing may stay allocated. The
+ * same turn runs once more on a full disk (a big message added first, the store at its size
+ * limit), where the commit fails whatever memory does and the read-backs after it run with
+ * refusals going on: one that succeeds and whose registry put is then refused among them. */
 
 struct spool_rows {
 	char **v;
