@@ -3077,7 +3077,8 @@ static int load_conversation(struct store *s, const char *conv, size_t conv_len,
 	return load_one(s, conv, conv_len, updated, out);
 }
 
-static int load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg)
+static int load_open(struct store *s, bool (*skip)(void *arg, const char *id, size_t len),
+                     int (*fn)(void *arg, struct convo *c), void *arg)
 {
 	sqlite3_stmt *st = s->st[ST_OPEN_EACH];
 	struct buf id = {NULL, 0, 0};
@@ -3087,6 +3088,8 @@ static int load_open(struct store *s, int (*fn)(void *arg, struct convo *c), voi
 	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
 		const void *p = sqlite3_column_blob(st, 0);
 		size_t len = (size_t)sqlite3_column_bytes(st, 0);
+		if (skip && skip(arg, len ? p : "", len))
+			continue;
 		id.len = 0;
 		/* The id is copied: loading runs other statements while this one walks. */
 		if (buf_append(&id, len ? p : "", len ? len : 1) < 0) {
@@ -3330,7 +3333,13 @@ int store_load_conversation(struct store *s, const char *conv, size_t conv_len, 
 
 int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg)
 {
-	LOCKED(s, load_open(s, fn, arg));
+	LOCKED(s, load_open(s, NULL, fn, arg));
+}
+
+int store_load_open_except(struct store *s, bool (*skip)(void *arg, const char *id, size_t len),
+                           int (*fn)(void *arg, struct convo *c), void *arg)
+{
+	LOCKED(s, load_open(s, skip, fn, arg));
 }
 
 int store_spool_each(struct store *s, int64_t after_seq,

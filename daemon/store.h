@@ -184,6 +184,11 @@ int store_load_conversation(struct store *s, const char *conv, size_t conv_len, 
  * (logged, naming the conversation) or -ENOMEM. fn runs while the store reads: it must not
  * call store_load_open or store_load_conversation, and should not write. */
 int store_load_open(struct store *s, int (*fn)(void *arg, struct convo *c), void *arg);
+/* The same, but a conversation for whose id skip returns true is passed over before it is
+ * read (its row's id only is looked at): a walk for the few conversations a caller lacks
+ * costs their reading, not everyone's. id is valid during the call only. */
+int store_load_open_except(struct store *s, bool (*skip)(void *arg, const char *id, size_t len),
+                           int (*fn)(void *arg, struct convo *c), void *arg);
 /* Calls fn for every spool row after after_seq (0: all) in the order they were first
  * spooled (enqueued_ms is the first time; a row's version may have grown since); seq is the
  * row's place in that order, to go on after it in a later call. conv and sk are valid during
