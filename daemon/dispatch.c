@@ -1005,17 +1005,19 @@ static void answer_error(struct dispatch *d, struct buf *out, const struct reqid
 	stats_request(&d->stats, op, err->code);
 	if (buf_append(out, "{", 1) == 0 && append_id(out, id) == 0 && append_error(out, err) == 0)
 		return;
-	out->len = mark;
 	{
 		static const char fixed[] = "\"ok\":false,\"error\":{\"code\":\"internal\","
 		                            "\"message\":\"out of memory\"}}\n";
-		/* Keep the id when it can still be written; the client matches answers by it. */
-		if (buf_append(out, "{", 1) < 0)
+		/* Short of memory: a fixed text, with the id when it still fits (the client
+		 * matches answers by it), else without. */
+		out->len = mark;
+		if (buf_append(out, "{", 1) == 0 && append_id(out, id) == 0 &&
+		    buf_append(out, fixed, sizeof(fixed) - 1) == 0)
 			return;
-		if (append_id(out, id) < 0)
-			out->len = mark + 1;
-		if (buf_append(out, fixed, sizeof(fixed) - 1) < 0)
-			out->len = mark;
+		out->len = mark;
+		if (buf_append(out, "{", 1) == 0 && buf_append(out, fixed, sizeof(fixed) - 1) == 0)
+			return;
+		out->len = mark; /* nothing fits: dispatch_line reports the line lost */
 	}
 }
 

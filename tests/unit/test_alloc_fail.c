@@ -1312,6 +1312,101 @@ static void flush_refused(void)
 	ddbclient_global_cleanup();
 }
 
+/* --- an error answer with no memory left ------------------------------------------------ */
+
+/* Memory is out and the connection's output buffer cannot grow: an error answer still goes
+ * out in its short fixed form ("internal", "out of memory") when that fits where the full
+ * one does not, keeping the request's id when that fits too, and when nothing fits the
+ * line is reported lost (the server then closes the connection). room: the bytes left in
+ * the buffer. Returns what dispatch_line returned; *got the answer written, if any. */
+static enum dispatch_result error_in_room(size_t room, unsigned long from, char *got,
+                                          size_t got_size, bool *refused)
+{
+	static const char line[] = "{\"id\":7,\"op\":\"no_such_operation_named_like_this\"}";
+	struct config cfg;
+	struct dispatch d;
+	struct buf out = {NULL, 0, 0};
+	enum dispatch_result r;
+	long live = A.live;
+	size_t base = 4096 - room;
+
+	config_defaults(&cfg);
+	cfg.memory_only = true;
+	CHECK(dispatch_init(&d, &cfg, NULL, NULL) == 0);
+	CHECK(buf_reserve(&out, 4096) == 0 && out.cap == 4096);
+	memset(out.data, '-', base);
+	out.len = base; /* answers the client has not read yet */
+	arm_turn(from, true);
+	r = dispatch_line(&d, line, strlen(line), &out, NULL, DISPATCH_REMOTE_CHECK);
+	*refused = disarm();
+	CHECK(out.len >= base && (!*refused || out.cap == 4096));
+	snprintf(got, got_size, "%.*s", (int)(out.len - base), out.data + base);
+	buf_free(&out);
+	dispatch_free(&d);
+	config_free(&cfg);
+	CHECK(A.live == live);
+	return r;
+}
+
+static void error_out_of_room(void)
+{
+	static const char fixed[] = "\"ok\":false,\"error\":{\"code\":\"internal\","
+	                            "\"message\":\"out of memory\"}}\n";
+	char got[512], with_id[128], without_id[128];
+	size_t rooms[5];
+	unsigned long from, seen_with = 0, seen_without = 0, seen_full = 0;
+
+	snprintf(with_id, sizeof(with_id), "{\"id\":7,%s", fixed);
+	snprintf(without_id, sizeof(without_id), "{%s", fixed);
+	rooms[0] = strlen(with_id);
+	rooms[1] = strlen(with_id) - 1;
+	rooms[2] = strlen(without_id);
+	rooms[3] = strlen(without_id) - 1;
+	rooms[4] = 1000;
+	/* Memory out from each allocation of the request on: reading it (its id unknown
+	 * then), or answering it. */
+	for (from = 1;; from++) {
+		bool any = false;
+		for (size_t k = 0; k < 5; k++) {
+			bool refused;
+			enum dispatch_result r =
+			    error_in_room(rooms[k], from, got, sizeof(got), &refused);
+			json_t *j = json_loads(got, 0, NULL);
+			bool fixed_with = strcmp(got, with_id) == 0;
+			bool fixed_without = strcmp(got, without_id) == 0;
+			bool full = !fixed_with && !fixed_without && j &&
+			            json_is_false(json_object_get(j, "ok")) &&
+			            got[strlen(got) - 1] == '\n';
+			/* Nothing written exactly when the line is reported lost. */
+			CHECK((r == DISPATCH_LOST) == (got[0] == '\0'));
+			CHECK(r == DISPATCH_LOST || fixed_with || fixed_without || full);
+			/* Lost only when not even the fixed answer fits. */
+			if ((r == DISPATCH_LOST) != (refused && rooms[k] < strlen(without_id)))
+				fprintf(stderr, "error answer, from %lu, room %zu: %s\n", from,
+				        rooms[k], r == DISPATCH_LOST ? "lost" : got);
+			CHECK((r == DISPATCH_LOST) == (refused && rooms[k] < strlen(without_id)));
+			CHECK(refused || full);
+			any = any || refused;
+			if (r != DISPATCH_LOST && !(fixed_with || fixed_without || full))
+				fprintf(stderr, "error answer, from %lu, room %zu: %s\n", from,
+				        rooms[k], got);
+			seen_with += fixed_with;
+			seen_without += fixed_without && k == 1;
+			seen_full += full && k == 4;
+			json_decref(j);
+		}
+		if (!any)
+			break;
+	}
+	/* The fixed answer kept the id where it fitted, and went without it where it did not;
+	 * with room, the full one went out. */
+	CHECK(seen_with > 0 && seen_without > 0 && seen_full > 0);
+	fprintf(stderr,
+	        "alloc_fail: an error answer with memory out from each of %lu allocations on: "
+	        "the fixed one in %zu bytes (%zu without the id) %lu times, lost in fewer\n",
+	        from - 1, rooms[0], rooms[2], seen_with + seen_without);
+}
+
 /* --- a turn of changes over the store ------------------------------------------------------ */
 
 /* A failed commit must leave memory as the store holds it. One turn changes three
@@ -1893,6 +1988,7 @@ int main(void)
 			        script[i].line ? script[i].line : "(built from the conversation)");
 	CHECK(n > total);
 	restore_refused();
+	error_out_of_room();
 	store_load_refused(false);
 	store_load_refused(true);
 	submit_seqs();
