@@ -782,25 +782,21 @@ static int restore_one(void *arg, struct convo *c)
 	return 0;
 }
 
-/* The flush tick's reread passes over the conversations in memory without reading them:
- * after a failed read-back, the few it dropped are what it looks for (it read every open
- * conversation, a stall of about a second at 100,000 of them). */
+/* The flush tick's reread passes over the conversations in memory (memory's copy is as new
+ * or newer) without reading them: after a failed read-back, the few it dropped are what it
+ * looks for (it read every open conversation, a stall of about a second at 100,000). */
 static bool in_memory(void *arg, const char *id, size_t len)
 {
 	struct dispatch *d = arg;
 	return registry_get(&d->reg, id, len) != NULL;
 }
 
-/* The flush tick's read of an open conversation (reread_open): one not in memory comes back
- * when it holds something the sink has not taken. */
+/* The flush tick's read of an open conversation not in memory (in_memory passed it): it
+ * comes back when it holds something the sink has not taken. */
 static int reread_one(void *arg, struct convo *c)
 {
 	struct dispatch *d = arg;
 
-	if (registry_get(&d->reg, c->id, c->id_len)) {
-		convo_free(c); /* memory's is as new or newer */
-		return 0;
-	}
 	loaded_from_store(d, c);
 	if (!sink_has_pending(c)) {
 		convo_free(c);
