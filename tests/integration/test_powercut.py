@@ -30,7 +30,8 @@ conversation.
 Three operations that change many rows at once are cut at every sync, just before and just
 after it, and halfway between two: a schema upgrade at the start (5 to 6: the index of the
 dead letters; and 1 or 2 to 6, from a store of convod's old schemas written here, whose
-messages and journal become segments, then copied into the database file by a checkpoint),
+messages and journal become segments, then copied into the database file by a checkpoint;
+and 4 to 6 on a store a crash left with its batches not folded, which the start then folds),
 retry_dead_letters' move in parts, and the retention purge. Each image must
 hold the operation done or not done (each part of the move, whole), never half of it. A
 stop (its checkpoint, then the WAL removed) is cut the same way: every acknowledged message
@@ -637,6 +638,101 @@ def test_power_loss_in_old_schema_upgrade(schema, unsynced, daemon_factory):
         assert [v for _, v in seen] == sorted(v for _, v in seen), seen
     # The cuts fell before the upgrade's commit and after it.
     assert seen[0][1] == schema and seen[-1][1] == 6, seen
+
+
+@pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
+                    "ASan stages run it")
+@pytest.mark.parametrize("unsynced", ["lost", "torn"])
+def test_power_loss_in_schema4_upgrade_and_replay(unsynced, daemon_factory):
+    """A store of schema 4 that a crash left with its turns' batches not folded yet (one
+    table of batches), as the daemon starts on it at machine: the upgrade to 6 (the second
+    table of batches and the index of the dead letters, one transaction), then the fold of
+    the batches the crash left (the segments written and the batches emptied, one
+    transaction), then a checkpoint. A power loss anywhere in that leaves schema 4 or 6,
+    never between; the batches gone only when every conversation's segment is there; and
+    every conversation whole at its newest versions, the merges' included. (Schema 3's upgrade is the same transaction: 3 and 4
+    differ only in how records are encoded, which test_store reads back.)"""
+    args = ["--durability", "machine"]
+    upgrade = "upgraded from schema 4 to 6"
+    nconvs, nturns = 12, 30
+    # The crash: turns committed at machine, none folded, then kill -9.
+    w = daemon_factory(args)
+    c = w.connect()
+    rng = random.Random(SEED + 4)
+    want = {}
+    for k in range(nconvs):
+        conv = "replay-%d" % k
+        for i in range(nturns):
+            # A turn of the same role as the last one merges into it: a newer version of
+            # that message, in a later batch than the first.
+            op = rng.choice(["add_user", "add_assistant"])
+            c.ok({"op": op, "conversation": conv, "contents": "%s turn %d" % (conv, i)})
+        want[conv] = c.ok({"op": "get_messages", "conversation": conv})["messages"]
+        assert any(m["message"].get("contents", [])[1:] for m in want[conv]), "no merge"
+    stats = c.ok({"op": "stats"})["store"]
+    kill9(w)
+    assert stats["fold"]["records"] == 0 and stats["pending_records"] > 0, stats
+    # Back to schema 4, as test_store makes one: every batch in the one table.
+    path = os.path.join(w.state_dir, "convod.db")
+    db = sqlite3.connect(path)
+    try:
+        db.executescript("INSERT INTO batches SELECT * FROM batches1; DROP TABLE batches1;"
+                         " DROP INDEX dead_letters_by_message; PRAGMA user_version=4")
+        (nbatches,), = db.execute("SELECT count(*) FROM batches").fetchall()
+        (segments0,), = db.execute("SELECT count(*) FROM segments").fetchall()
+    finally:
+        db.close()
+    assert nbatches >= nconvs * nturns // 2, nbatches
+    d = daemon_factory(args, start=False)
+    shutil.copytree(w.state_dir, d.state_dir)
+    os.sync()
+    base = files_of(d.state_dir)
+    log = recorded(d)
+    d.start()
+    c = d.connect()
+    assert upgrade in d.log()
+    deadline = time.time() + scaled(10)
+    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
+        assert time.time() < deadline, "no checkpoint in a quiet spell"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    kill9(d)
+
+    records = read_records(log)
+    print("the record:", "".join(r[0] for r in records))
+    cuts = cut_points(records, 0)
+    rng = random.Random(SEED) if unsynced == "torn" else None
+    seen = []
+    for cut in cuts:
+        d2, copy, _ = image_dir(daemon_factory, args, None, records[:cut], d.state_dir, rng,
+                                base, copy=True)
+        (version,), = store_rows(copy, "PRAGMA user_version")
+        names = {n for n, in store_rows(copy, "SELECT name FROM sqlite_schema")}
+        (batches, segments), = store_rows(
+            copy, "SELECT (SELECT count(*) FROM batches), (SELECT count(*) FROM segments)")
+        seen.append((cut, version, batches))
+        has6 = {"batches1", "dead_letters_by_message"} & names
+        assert (version, has6) in ((4, set()), (6, {"batches1", "dead_letters_by_message"})), (
+            cut, version, sorted(names))
+        # The batches emptied only once the segments made of them are there (a crash
+        # between the two leaves both: the next start folds the batches again); never
+        # folded before the upgrade.
+        assert (batches, segments) in ((nbatches, segments0), (nbatches, segments0 + nconvs),
+                                       (0, segments0 + nconvs)), (cut, batches, segments)
+        assert version == 6 or batches == nbatches, (cut, version, batches)
+        d2.start()
+        c2 = d2.connect()
+        for conv, msgs in want.items():
+            got = c2.ok({"op": "get_messages", "conversation": conv})["messages"]
+            assert got == msgs, (cut, conv)
+        stopped_at_6(d2, upgrade if version == 4 else None, cut)
+    print("cuts (record, schema, batches):", seen)
+    if rng is None:  # the images of later cuts hold no less
+        assert [v for _, v, _ in seen] == sorted(v for _, v, _ in seen), seen
+        assert [b for _, _, b in seen] == sorted((b for _, _, b in seen), reverse=True), seen
+    # The cuts fell before the upgrade, between it and the fold, and after the fold.
+    assert seen[0][1:] == (4, nbatches) and seen[-1][1:] == (6, 0), seen
+    assert any(s[1:] == (6, nbatches) for s in seen) or rng, seen
 
 
 @pytest.mark.skipif(not FAKETIME, reason="libfaketime is not installed (tests/deps.sh)")
