@@ -32,7 +32,9 @@ after it, and halfway between two: a schema upgrade at the start (5 to 6: the in
 dead letters; and 1 or 2 to 6, from a store of convod's old schemas written here, whose
 messages and journal become segments, then copied into the database file by a checkpoint;
 and 4 to 6 on a store a crash left with its batches not folded, which the start then folds),
-retry_dead_letters' move in parts, and the retention purge. Each image must
+the start on a store a crash left in the middle of a fold cycle (which it folds, with the
+batches committed after the cycle began), retry_dead_letters' move in parts, and the
+retention purge. Each image must
 hold the operation done or not done (each part of the move, whole), never half of it. A
 stop (its checkpoint, then the WAL removed) is cut the same way: every acknowledged message
 stays.
@@ -733,6 +735,172 @@ def test_power_loss_in_schema4_upgrade_and_replay(unsynced, daemon_factory):
     # The cuts fell before the upgrade, between it and the fold, and after the fold.
     assert seen[0][1:] == (4, nbatches) and seen[-1][1:] == (6, 0), seen
     assert any(s[1:] == (6, nbatches) for s in seen) or rng, seen
+
+
+class Adds:
+    """Adds to convs made in bursts on one connection, each request mostly of the role
+    other than that of the conversation's last message, one in 20 of the same (a merge: a
+    newer version of that message). want[conv][message id] holds the message each answer
+    returned: the newest version of each, in the log's order."""
+
+    def __init__(self, c, convs, rng):
+        self.c, self.convs, self.rng = c, convs, rng
+        self.want, self.last, self.n = {}, {}, 0
+
+    def make(self, n):
+        """n requests, not sent yet."""
+        reqs = []
+        for _ in range(n):
+            conv = self.rng.choice(self.convs)
+            role = "assistant" if self.last.get(conv) == "user" else "user"
+            if conv in self.last and self.rng.random() < 0.05:
+                role = self.last[conv]
+            self.last[conv] = role
+            self.n += 1
+            reqs.append({"op": "add_" + role, "conversation": conv,
+                         "contents": "add %d" % self.n})
+        return reqs
+
+    def send(self, reqs):
+        """Sends reqs at once, then reads and checks their answers."""
+        self.c.send_raw(b"".join(json.dumps(r).encode() + b"\n" for r in reqs))
+        for req in reqs:
+            r = self.c.recv()
+            assert r.get("ok") is True, r
+            m = r["result"]["message"]
+            self.want.setdefault(req["conversation"], {})[m["id"]] = m
+
+
+@pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
+                    "ASan stages run it")
+@pytest.mark.parametrize("unsynced", ["lost", "torn"])
+def test_power_loss_in_replay_of_a_fold_under_way(unsynced, daemon_factory):
+    """A store a crash left in the middle of a fold cycle (schema 6): the cycle's batches in
+    one table, some of their conversations' segments written, and the batches committed
+    since in the other table. The daemon starts on it at machine and folds both tables'
+    batches (the replay). A power loss anywhere in that start leaves every conversation
+    whole at its newest versions, and never a table of batches emptied before the
+    segments made of it are there."""
+    args = ["--durability", "machine"]
+    rng = random.Random(SEED + 5)
+    convs = ["cycle-%d" % k for k in range(10000)]
+    for attempt in range(8):
+        w = daemon_factory(["--durability", "process"])
+        adds = Adds(w.connect(), convs, rng)
+        stats = w.connect()
+        t0 = time.time()
+        # Up to STORE_FOLD_RECORDS (32768) records pending, where a fold cycle starts: it
+        # folds them a step of 1024 records at a time, in the writer's idle time.
+        while stats.ok({"op": "stats"})["store"]["pending_records"] < 32768:
+            adds.send(adds.make(1000))
+        # Three adds in one write once the cycle is under way (made ready before, so that
+        # they follow the stats answer at once): their batch goes to the other table.
+        more = adds.make(3)
+        while True:
+            fold = stats.ok({"op": "stats"})["store"]["fold"]
+            if fold["segments"] or fold["cycles"] or time.time() > t0 + scaled(10):
+                break
+        adds.send(more)
+        kill9(w)
+        (b0, b1, segments), = store_rows(
+            w.state_dir, "SELECT (SELECT count(*) FROM batches), (SELECT count(*) FROM"
+            " batches1), (SELECT count(*) FROM segments)")
+        print("attempt %d: %.2f s, at the last stats %s; batches %d + %d, segments %d" % (
+            attempt, time.time() - t0, fold, b0, b1, segments))
+        if b0 and b1 and 0 < segments < len(convs):
+            break
+    else:
+        pytest.fail("no kill fell inside a fold cycle in 8 attempts")
+    want = {conv: list(m.values()) for conv, m in adds.want.items()}
+    # The conversations each table of batches names, and the last segment before the start.
+    named = [{conv for blob, in store_rows(w.state_dir, "SELECT data FROM " + table)
+              for conv in record_conversations(blob)} for table in ("batches", "batches1")]
+    assert named[0] and named[1], named
+    (seg_seq,), = store_rows(w.state_dir, "SELECT max(seq) FROM segments")
+
+    # The start on that store, at machine, recorded.
+    d = daemon_factory(args, start=False)
+    shutil.copytree(w.state_dir, d.state_dir,
+                    ignore=lambda _, names: [n for n in names if n.endswith("-shm")])
+    os.sync()
+    base = files_of(d.state_dir)
+    log = recorded(d)
+    d.start()
+    c = d.connect()
+    deadline = time.time() + scaled(10)
+    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
+        assert time.time() < deadline, "no checkpoint in a quiet spell"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    kill9(d)
+
+    records = read_records(log)
+    print("the record:", "".join(r[0] for r in records))
+    rng = random.Random(SEED) if unsynced == "torn" else None
+    seen = []
+    for cut in cut_points(records, 0):
+        d2, copy, _ = image_dir(daemon_factory, args, None, records[:cut], d.state_dir, rng,
+                                base, copy=True)
+        (n0, n1, segs), = store_rows(
+            copy, "SELECT (SELECT count(*) FROM batches), (SELECT count(*) FROM batches1),"
+            " (SELECT count(*) FROM segments)")
+        seen.append((cut, n0 + n1, segs))
+        # A table of batches is emptied whole, and only once a segment of each of its
+        # conversations is written; the batches of the cycle under way before those
+        # committed after it.
+        assert (n0, n1) in ((b0, b1), (0, b1), (0, 0)), (cut, n0, n1)
+        folded = {bytes(conv).decode() for conv, in store_rows(
+            copy, "SELECT DISTINCT conversation FROM segments WHERE seq > %d" % seg_seq)}
+        for n, names in zip((n0, n1), named):
+            assert n or names <= folded, (cut, len(names - folded))
+        d2.start()
+        check_conversations(d2.connect(), want, cut)
+        stopped_at_6(d2, None, cut)
+    print("cuts (record, batches, segments):", seen)
+    if rng is None:  # the images of later cuts hold no less
+        assert [b for _, b, _ in seen] == sorted((b for _, b, _ in seen), reverse=True), seen
+    # The cuts fell before the replay's fold and after it.
+    assert seen[0][1] == b0 + b1 and seen[-1][1] == 0, seen
+
+
+def record_conversations(blob):
+    """The conversations the message records of blob (a row of batches, msgrec.c's packed
+    records) belong to, in order."""
+    def varint(i):
+        v = shift = 0
+        while True:
+            b = blob[i]
+            i += 1
+            v |= (b & 0x7f) << shift
+            shift += 7
+            if b < 0x80:
+                return v, i
+    out, i = [], 0
+    while i < len(blob):
+        assert blob[i:i + 1] == b"P", (i, blob[i:i + 1])
+        n, i = varint(i + 1)
+        out.append(blob[i:i + n].decode())
+        i += n
+        i += 1 + blob[i]  # the sort key
+        for _ in range(3):  # version, client_seen, updated
+            _, i = varint(i)
+        n, i = varint(i)
+        i += n  # the map
+    return out
+
+
+def check_conversations(c, want, cut):
+    """Asserts that get_messages on connection c gives want[conv] for each conversation
+    (asked in bursts of 1000)."""
+    convs = sorted(want)
+    for k in range(0, len(convs), 1000):
+        part = convs[k:k + 1000]
+        c.send_raw(b"".join(json.dumps({"op": "get_messages", "conversation": conv}).encode()
+                            + b"\n" for conv in part))
+        for conv in part:
+            r = c.recv()
+            assert r.get("ok") is True, (cut, conv, r)
+            assert r["result"]["messages"] == want[conv], (cut, conv)
 
 
 @pytest.mark.skipif(not FAKETIME, reason="libfaketime is not installed (tests/deps.sh)")
