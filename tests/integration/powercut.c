@@ -12,15 +12,16 @@
  *
  * Whatever the process writes to a socket (its answers) is recorded too, with an empty
  * path and the descriptor for offset, so that the test knows which answers had been sent
- * at any point of the record.
+ * at any point of the record; and so is what it sends (libcurl's requests to DynamoDB, over
+ * plain HTTP in the tests), so that the test knows which had left the host by then.
  *
  * A record: one byte of kind ('W' write, 'T' truncate, 'S' sync, 'C' created by an open,
- * 'U' unlink, 'A' written to a socket), then the path's length (4 bytes), the offset or size (8)
- * and the data's length (8), all little endian, then the path and the data (writes only). Records
- * are written under one lock, in the order the calls returned, by a plain write to the log
- * (O_APPEND). Two threads' calls on one file at the same time are ordered as they were recorded;
- * what an answer waits for is recorded before it all the same, since the daemon's commit syncs its
- * writes after making them, and answers after the sync. */
+ * 'U' unlink, 'A' written to a socket, 'N' sent by send), then the path's length (4 bytes), the
+ * offset or size (8) and the data's length (8), all little endian, then the path and the data
+ * (writes only). Records are written under one lock, in the order the calls returned, by a plain
+ * write to the log (O_APPEND). Two threads' calls on one file at the same time are ordered as they
+ * were recorded; what an answer waits for is recorded before it all the same, since the daemon's
+ * commit syncs its writes after making them, and answers after the sync. */
 /* The plain and the 64-bit names are defined apart here: no redirection of one to the
  * other (meson builds everything with _FILE_OFFSET_BITS=64). */
 #undef _FILE_OFFSET_BITS
@@ -33,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -51,6 +53,7 @@ static int (*real_open64)(const char *, int, ...);
 static int (*real_open)(const char *, int, ...);
 static ssize_t (*real_pwrite64)(int, const void *, size_t, off64_t);
 static ssize_t (*real_write)(int, const void *, size_t);
+static ssize_t (*real_send)(int, const void *, size_t, int);
 static int (*real_ftruncate64)(int, off64_t);
 static int (*real_ftruncate)(int, off_t);
 static int (*real_fsync)(int);
@@ -66,6 +69,7 @@ static void init(void)
 	*(void **)&real_open = dlsym(RTLD_NEXT, "open");
 	*(void **)&real_pwrite64 = dlsym(RTLD_NEXT, "pwrite64");
 	*(void **)&real_write = dlsym(RTLD_NEXT, "write");
+	*(void **)&real_send = dlsym(RTLD_NEXT, "send");
 	*(void **)&real_ftruncate64 = dlsym(RTLD_NEXT, "ftruncate64");
 	*(void **)&real_ftruncate = dlsym(RTLD_NEXT, "ftruncate");
 	*(void **)&real_fsync = dlsym(RTLD_NEXT, "fsync");
@@ -242,6 +246,22 @@ ssize_t write(int fd, const void *buf, size_t n)
 		}
 		if (kinds[fd] == 'S')
 			record('A', "", (uint64_t)fd, buf, (size_t)w);
+		pthread_mutex_unlock(&mu);
+		errno = saved;
+	}
+	return w;
+}
+
+ssize_t send(int fd, const void *buf, size_t n, int flags)
+{
+	ssize_t w;
+
+	pthread_once(&once, init);
+	w = real_send(fd, buf, n, flags);
+	if (w > 0 && log_fd >= 0 && fd >= 0) {
+		int saved = errno;
+		pthread_mutex_lock(&mu);
+		record('N', "", (uint64_t)fd, buf, (size_t)w);
 		pthread_mutex_unlock(&mu);
 		errno = saved;
 	}

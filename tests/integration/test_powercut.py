@@ -25,7 +25,10 @@ writes, so that `machine` passing means something.
 
 At `machine` with DynamoDB (dynalite) as the sink, the daemon restarted on the image sends
 what its spool still holds, and the table ends exactly as the daemon holds each
-conversation.
+conversation. So too at earlier moments of the record, each with a table of its own into
+which the BatchWriteItem requests the daemon had sent by then (the library records what it
+sends) are written first: a version sent before the store could keep it would be in the
+table and not in the daemon.
 
 Three operations that change many rows at once are cut at every sync, just before and just
 after it, and halfway between two: a schema upgrade at the start (5 to 6: the index of the
@@ -128,7 +131,8 @@ def synced_image(records, src_dir, out_dir, rng=None, base=None):
     dir_synced = max((i for i, r in enumerate(records) if r[0] == "S" and r[1] == src_dir),
                      default=-1)
     for i, rec in enumerate(records):
-        if rec[0] != "A" and rec[1] != src_dir:  # an answer, or the directory's own sync
+        # Not an answer, a request sent, or the directory's own sync.
+        if rec[0] not in "AN" and rec[1] != src_dir:
             ops.setdefault(rec[1], []).append((i,) + rec)
     summary = {}
     for path, lst in ops.items():
@@ -346,16 +350,75 @@ def test_power_loss_with_dynamodb(unsynced, dynalite, ddb_table, daemon_factory)
     assert sent, "nothing reached DynamoDB before the power loss"
     records = read_records(log)
 
-    def drained(c, convs):
+    def drained_into(c, convs, table):
         c.ok({"op": "flush"})
         st = wait_drained(c, timeout=60)
         assert st["sink"]["dead_lettered"] == 0, st["sink"]
-        table_matches_daemon(dynalite, ddb_table, c, convs, timeout=30)
+        # Those the daemon holds (an early cut has none of some): the table holds them as
+        # the daemon does, and nothing of the others.
+        held = [conv for conv in convs
+                if c.request({"op": "get_messages", "conversation": conv}).get("ok")]
+        table_matches_daemon(dynalite, table, c, held, timeout=30)
 
-    lost = check_image(daemon_factory, "machine", records, d.state_dir,
-                       random.Random(rng.random()) if unsynced == "torn" else None, None,
+    def drained(c, convs):
+        drained_into(c, convs, ddb_table)
+
+    image_rng = random.Random(rng.random()) if unsynced == "torn" else None
+    lost = check_image(daemon_factory, "machine", records, d.state_dir, image_rng, None,
                        first, None, args, ddb_env(dynalite), drained)
     assert lost == 0
+
+    # And at earlier moments, each with a table of its own that holds what the requests
+    # sent by then wrote (DynamoDB applies what has left the host, whatever then becomes
+    # of the host): the daemon must not have sent a version its store could lose, and
+    # sends what its spool held at that moment.
+    requests = sent_requests(records)
+    writes = [(i, body) for i, op, body in requests if op == "BatchWriteItem"]
+    assert writes, "no BatchWriteItem in the record"
+    assert {op for _, op, _ in requests} <= {"BatchWriteItem", "DescribeTable", "Query",
+                                               "GetItem"}, {op for _, op, _ in requests}
+    cuts = [k for k in cut_points(records, 0, most=10) if k < len(records)]
+    for n, cut in enumerate(cuts):
+        table = "%s-cut%d" % (ddb_table, n)
+        ddb.create_table(dynalite, table)
+        applied = 0
+        for i, body in writes:
+            if i < cut:
+                (reqs,) = body["RequestItems"].values()
+                r = ddb.request(dynalite, "BatchWriteItem", {"RequestItems": {table: reqs}})
+                assert not r.get("UnprocessedItems"), r
+                applied += len(reqs)
+        print("cut", cut, "writes applied", applied)
+        cut_args = ["--dynamodb-table", table] + FAST
+        lost = check_image(daemon_factory, "machine", records[:cut], d.state_dir, image_rng,
+                           None, first, answered(records[:cut]), cut_args,
+                           ddb_env(dynalite),
+                           lambda c, convs, t=table: drained_into(c, convs, t))
+        assert lost == 0, cut
+        ddb.delete_table(dynalite, table)
+
+
+def sent_requests(records):
+    """The HTTP requests the record's 'N' records hold (each descriptor's bytes, one request
+    after the other): (index of the record that sent its last byte, X-Amz-Target's
+    operation, its JSON body), in the order they were sent in full."""
+    streams, out = {}, []
+    for i, (kind, _, fd, data) in enumerate(records):
+        if kind != "N":
+            continue
+        buf = streams.get(fd, b"") + data
+        while b"\r\n\r\n" in buf:
+            head, rest = buf.split(b"\r\n\r\n", 1)
+            headers = {k.strip().lower(): v.strip() for k, _, v in
+                       (line.partition(b":") for line in head.split(b"\r\n")[1:])}
+            length = int(headers[b"content-length"])
+            if len(rest) < length:
+                break
+            target = headers[b"x-amz-target"].decode()
+            out.append((i, target.split(".", 1)[1], json.loads(rest[:length])))
+            buf = rest[length:]
+        streams[fd] = buf
+    return out
 
 
 @pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
