@@ -1474,8 +1474,8 @@ static void turn_run(int pass, unsigned long fail_at, struct turn_outcome *to)
 	};
 	static const char *const turn_lines[] = {
 	    "{\"id\":1,\"op\":\"add_user\",\"conversation\":\"t1\",\"contents\":\"c again\"}",
-	    "{\"id\":2,\"op\":\"add_assistant\",\"conversation\":\"t1\",\"contents\":\"d\","
-	    "\"metadata\":{\"aux\":{\"k\":[1,2]}}}",
+	    ("{\"id\":2,\"op\":\"add_assistant\",\"conversation\":\"t1\",\"contents\":\"d\","
+	     "\"metadata\":{\"aux\":{\"k\":[1,2]}}}"),
 	    "{\"id\":3,\"op\":\"add_assistant\",\"conversation\":\"t2\",\"contents\":\"y\"}",
 	    "{\"id\":4,\"op\":\"add_assistant\",\"conversation\":\"t3\",\"contents\":\"z\"}",
 	    "{\"id\":5,\"op\":\"close\",\"conversation\":\"t2\"}",
