@@ -82,6 +82,20 @@ def kill9(d):
     assert d.proc.returncode == -signal.SIGKILL
 
 
+def kill_while_writing(d, writers, delay):
+    """Starts writers (those not started yet), kills d (kill -9) after delay seconds, and
+    waits for the writers to end: none stuck, none refused."""
+    for w in writers:
+        if w.ident is None:
+            w.start()
+    time.sleep(delay)
+    kill9(d)
+    for w in writers:
+        w.join(15)
+        assert not w.is_alive(), "a writer is stuck"
+        assert not w.refused, w.refused
+
+
 def flat_log(maps):
     """(role, text) of every content string of the log, fake messages left out, and where
     each text is (text -> message id)."""
@@ -137,14 +151,7 @@ def crash_rounds(d, durability, rng, after_restart=None):
                           "r%d" % rnd) for conv in convs]
         delay = rng.uniform(0.05, 0.4) * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))
         print("round %d: kill -9 after %.3f s" % (rnd, delay))
-        for w in writers:
-            w.start()
-        time.sleep(delay)
-        kill9(d)
-        for w in writers:
-            w.join(15)
-            assert not w.is_alive(), "a writer is stuck"
-            assert not w.refused, w.refused
+        kill_while_writing(d, writers, delay)
         acked_total = sum(len(w.acked) for w in writers)
         print("round %d: %d adds acknowledged" % (rnd, acked_total))
         assert acked_total > 0, "nothing was acknowledged before the kill"

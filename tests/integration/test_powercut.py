@@ -55,7 +55,7 @@ import pytest
 import ddb
 from conftest import VALGRIND, _probe_real, scaled
 from test_clock import FAKETIME, faked
-from test_crash import Writer, check_log_shape, flat_log, kill9
+from test_crash import Writer, check_log_shape, flat_log, kill9, kill_while_writing
 from test_persistence import (FAST, _all_dead_lettered, ddb_daemon, ddb_env, merged_version,
                               sort_key, store_rows, table_matches_daemon, wait_drained,
                               wait_until)
@@ -90,6 +90,50 @@ def recorded_writers(d, prefix, rng):
     for w in writers:
         w.start()
     return log, writers
+
+
+def checkpointed(c):
+    """Waits until the daemon of connection c has checkpointed (a quiet tick asks for it:
+    the database file written and synced, the next commit starting the WAL over), then four
+    quiet ticks more, so that the round that checkpointed all of it is done."""
+    deadline = time.time() + scaled(10)
+    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
+        assert time.time() < deadline, "no checkpoint in a quiet spell"
+        time.sleep(0.02)
+    time.sleep(0.2)
+
+
+def after_checkpoint(d, first, rng, seconds):
+    """Waits for the writers first (started) to end and for daemon d to checkpoint, then
+    starts a writer on each of their conversations, kills d (kill -9) after seconds, and
+    returns those writers, ended."""
+    for w in first:
+        w.join(30)
+        assert not w.is_alive() and not w.refused, w.refused
+    checkpointed(d.connect())
+    writers = [Writer(d.socket, w.conv, random.Random(rng.random()), w.last_role, "b")
+               for w in first]
+    kill_while_writing(d, writers, seconds)
+    return writers
+
+
+def recorded_start(d, first=None):
+    """Starts daemon d (not started) recorded, on the state directory already there (synced
+    first), calls first(connection) when given, waits for a checkpoint and kills d (kill -9).
+    Returns the directory's files as the record began (synced_image's base) and the
+    record."""
+    os.sync()
+    base = files_of(d.state_dir)
+    log = recorded(d)
+    d.start()
+    c = d.connect()
+    if first:
+        first(c)
+    checkpointed(c)
+    kill9(d)
+    records = read_records(log)
+    print("the record:", "".join(r[0] for r in records))
+    return base, records
 
 
 def read_records(path):
@@ -191,26 +235,8 @@ def test_power_loss(durability, unsynced, daemon_factory):
     first = [Writer(d.socket, conv, random.Random(rng.random()), None, "a") for conv in convs]
     for w in first:
         w.start()
-    for w in first:
-        w.join(30)
-        assert not w.is_alive() and not w.refused, w.refused
-    c = d.connect()
-    deadline = time.time() + scaled(10)
-    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
-        assert time.time() < deadline, "no checkpoint in a quiet spell"
-        time.sleep(0.02)
-    time.sleep(0.2)  # four quiet ticks more: the round that checkpointed all of it is done
     # Then more adds, into the WAL started over, and the power loss while they are made.
-    writers = [Writer(d.socket, w.conv, random.Random(rng.random()), w.last_role, "b")
-               for w in first]
-    for w in writers:
-        w.start()
-    time.sleep(0.3)
-    kill9(d)
-    for w in writers:
-        w.join(15)
-        assert not w.is_alive(), "a writer is stuck"
-        assert not w.refused, w.refused
+    writers = after_checkpoint(d, first, rng, 0.3)
     acked = sum(len(w.acked) for w in first + writers)
     assert sum(len(w.acked) for w in writers) >= 20, "too few adds before the kill"
 
@@ -339,12 +365,7 @@ def test_power_loss_with_dynamodb(unsynced, dynalite, ddb_table, daemon_factory)
     args = ["--dynamodb-table", ddb_table] + FAST
     d = daemon_factory(["--durability", "machine"] + args, env=ddb_env(dynalite), start=False)
     log, first = recorded_writers(d, "power-ddb", rng)
-    time.sleep(0.4)  # at machine, about half of each writer's adds
-    kill9(d)
-    for w in first:
-        w.join(15)
-        assert not w.is_alive(), "a writer is stuck"
-        assert not w.refused, w.refused
+    kill_while_writing(d, first, 0.4)  # at machine, about half of each writer's adds
     sent = ddb.scan_all(dynalite, ddb_table)
     print("acknowledged", sum(len(w.acked) for w in first), "in DynamoDB at the loss",
           len(sent))
@@ -413,24 +434,7 @@ def test_power_loss_at_process_with_dynamodb(unsynced, dynalite, ddb_table, daem
     args = ["--dynamodb-table", ddb_table] + FAST
     d = daemon_factory(["--durability", "process"] + args, env=ddb_env(dynalite), start=False)
     log, first = recorded_writers(d, "process-ddb", rng)
-    for w in first:
-        w.join(30)
-        assert not w.is_alive() and not w.refused, w.refused
-    c = d.connect()
-    deadline = time.time() + scaled(10)
-    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
-        assert time.time() < deadline, "no checkpoint in a quiet spell"
-        time.sleep(0.02)
-    time.sleep(0.2)
-    writers = [Writer(d.socket, w.conv, random.Random(rng.random()), w.last_role, "b")
-               for w in first]
-    for w in writers:
-        w.start()
-    time.sleep(0.4)
-    kill9(d)
-    for w in writers:
-        w.join(15)
-        assert not w.is_alive() and not w.refused, w.refused
+    writers = after_checkpoint(d, first, rng, 0.4)
     records = read_records(log)
     ahead = {}
 
@@ -552,6 +556,15 @@ def image_dir(daemon_factory, args, env, records, state_dir, rng, base=None, cop
         path = os.path.join(d2.dir, "copy")
         shutil.copytree(d2.state_dir, path)
     return d2, path, summary
+
+
+def images(daemon_factory, args, records, state_dir, rng, base):
+    """For each of cut_points(records, 0): the cut, a daemon (args, not started) whose state
+    directory is the image of that cut, and a copy of the image to read first."""
+    for cut in cut_points(records, 0):
+        d2, copy, _ = image_dir(daemon_factory, args, None, records[:cut], state_dir, rng,
+                                base, copy=True)
+        yield cut, d2, copy
 
 
 def stopped_at_6(d2, upgrade, cut):
@@ -722,29 +735,13 @@ def test_power_loss_in_old_schema_upgrade(schema, unsynced, daemon_factory):
     os.makedirs(d.state_dir)
     want = write_old_store(daemon_factory, os.path.join(d.state_dir, "convod.db"), schema,
                            60, 40)
-    os.sync()
-    base = files_of(d.state_dir)
-    log = recorded(d)
-    d.start()
-    c = d.connect()
-    assert c.ok({"op": "get_messages", "conversation": "old-0"})["messages"]
+    # The start, and the checkpoint that copies the upgrade into the database file.
+    base, records = recorded_start(d, lambda c: c.ok({"op": "get_messages",
+                                                      "conversation": "old-0"})["messages"])
     assert upgrade in d.log()
-    # And the checkpoint that copies the upgrade into the database file.
-    deadline = time.time() + scaled(10)
-    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
-        assert time.time() < deadline, "no checkpoint in a quiet spell"
-        time.sleep(0.02)
-    time.sleep(0.2)
-    kill9(d)
-
-    records = read_records(log)
-    print("the record:", "".join(r[0] for r in records))
-    cuts = cut_points(records, 0)
     rng = random.Random(SEED) if unsynced == "torn" else None
     seen = []
-    for cut in cuts:
-        d2, copy, _ = image_dir(daemon_factory, args, None, records[:cut], d.state_dir, rng,
-                                base, copy=True)
+    for cut, d2, copy in images(daemon_factory, args, records, d.state_dir, rng, base):
         # A copy: a connection that may roll back a hot journal, as the daemon's will.
         db = sqlite3.connect(os.path.join(copy, "convod.db"))
         try:
@@ -814,27 +811,11 @@ def test_power_loss_in_schema4_upgrade_and_replay(unsynced, daemon_factory):
     assert nbatches >= nconvs * nturns // 2, nbatches
     d = daemon_factory(args, start=False)
     shutil.copytree(w.state_dir, d.state_dir)
-    os.sync()
-    base = files_of(d.state_dir)
-    log = recorded(d)
-    d.start()
-    c = d.connect()
+    base, records = recorded_start(d)
     assert upgrade in d.log()
-    deadline = time.time() + scaled(10)
-    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
-        assert time.time() < deadline, "no checkpoint in a quiet spell"
-        time.sleep(0.02)
-    time.sleep(0.2)
-    kill9(d)
-
-    records = read_records(log)
-    print("the record:", "".join(r[0] for r in records))
-    cuts = cut_points(records, 0)
     rng = random.Random(SEED) if unsynced == "torn" else None
     seen = []
-    for cut in cuts:
-        d2, copy, _ = image_dir(daemon_factory, args, None, records[:cut], d.state_dir, rng,
-                                base, copy=True)
+    for cut, d2, copy in images(daemon_factory, args, records, d.state_dir, rng, base):
         (version,), = store_rows(copy, "PRAGMA user_version")
         names = {n for n, in store_rows(copy, "SELECT name FROM sqlite_schema")}
         (batches, segments), = store_rows(
@@ -953,25 +934,10 @@ def test_power_loss_in_replay_of_a_fold_under_way(unsynced, daemon_factory):
     d = daemon_factory(args, start=False)
     shutil.copytree(w.state_dir, d.state_dir,
                     ignore=lambda _, names: [n for n in names if n.endswith("-shm")])
-    os.sync()
-    base = files_of(d.state_dir)
-    log = recorded(d)
-    d.start()
-    c = d.connect()
-    deadline = time.time() + scaled(10)
-    while c.ok({"op": "stats"})["store"]["checkpoints"] == 0:
-        assert time.time() < deadline, "no checkpoint in a quiet spell"
-        time.sleep(0.02)
-    time.sleep(0.2)
-    kill9(d)
-
-    records = read_records(log)
-    print("the record:", "".join(r[0] for r in records))
+    base, records = recorded_start(d)
     rng = random.Random(SEED) if unsynced == "torn" else None
     seen = []
-    for cut in cut_points(records, 0):
-        d2, copy, _ = image_dir(daemon_factory, args, None, records[:cut], d.state_dir, rng,
-                                base, copy=True)
+    for cut, d2, copy in images(daemon_factory, args, records, d.state_dir, rng, base):
         (n0, n1, segs), = store_rows(
             copy, "SELECT (SELECT count(*) FROM batches), (SELECT count(*) FROM batches1),"
             " (SELECT count(*) FROM segments)")
