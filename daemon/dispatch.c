@@ -1947,7 +1947,7 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	/* Protocol order: too_large, unknown_op, bad_request, not_found, ... */
 	opv = json_object_get(req, "op");
 	if (opv && json_is_string(opv))
-		op = ops_lookup(json_string_value(opv));
+		op = ops_lookup(json_string_value(opv), json_string_length(opv));
 	*opp = op;
 	if (ops_takes_conversation(op))
 		code = check_conversation(d, req, ops_needs_conversation(op), &cid, &cid_len, &err);
@@ -1958,8 +1958,13 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto fail;
 	}
 	if (op == OP_UNKNOWN) {
-		error_set(&err, ERR_UNKNOWN_OP, "op: no such operation '%s'",
-		          json_string_value(opv));
+		if (strlen(json_string_value(opv)) != json_string_length(opv))
+			error_set(&err, ERR_UNKNOWN_OP,
+			          "op: no such operation ('%s' and a NUL character)",
+			          json_string_value(opv));
+		else
+			error_set(&err, ERR_UNKNOWN_OP, "op: no such operation '%s'",
+			          json_string_value(opv));
 		goto fail;
 	}
 	code2 = ops_check(op, req, &err2);
@@ -1990,8 +1995,9 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 	case OP_STATS: {
 		const json_t *f = json_object_get(req, "format");
 		if (f &&
-		    (!json_is_string(f) || (strcmp(json_string_value(f), "json") != 0 &&
-		                            strcmp(json_string_value(f), "prometheus") != 0))) {
+		    (!json_is_string(f) || strlen(json_string_value(f)) != json_string_length(f) ||
+		     (strcmp(json_string_value(f), "json") != 0 &&
+		      strcmp(json_string_value(f), "prometheus") != 0))) {
 			error_set(&err, ERR_BAD_REQUEST,
 			          "format: expected \"json\" or \"prometheus\"");
 			goto fail;

@@ -32,12 +32,12 @@ static const char *const op_names[OP_COUNT] = {
     [OP_CREATE_TABLE] = "create_table",
 };
 
-enum op ops_lookup(const char *s)
+enum op ops_lookup(const char *s, size_t len)
 {
 	if (!s)
 		return OP_UNKNOWN;
 	for (int op = OP_UNKNOWN + 1; op < OP_COUNT; op++) {
-		if (strcmp(s, op_names[op]) == 0)
+		if (strlen(op_names[op]) == len && memcmp(s, op_names[op], len) == 0)
 			return (enum op)op;
 	}
 	return OP_UNKNOWN;

@@ -34,8 +34,8 @@ enum op {
 	OP_COUNT,
 };
 
-/* The op named by s, or OP_UNKNOWN. */
-enum op ops_lookup(const char *s);
+/* The op named by the len bytes at s (a NUL among them names none), or OP_UNKNOWN. */
+enum op ops_lookup(const char *s, size_t len);
 /* Wire name of op ("add_user", ...), "unknown" for OP_UNKNOWN. */
 const char *ops_name(enum op op);
 /* add_user, add_assistant, add_message: may create the conversation. */

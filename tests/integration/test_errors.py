@@ -271,6 +271,33 @@ def test_unknown_op(conn):
     assert snapshot(c, "x") == before
 
 
+def test_an_op_with_a_nul_names_no_operation(conn):
+    """An op name followed by a NUL (and more, or nothing) names no operation: unknown_op, and
+    nothing changes (it used to run the op its first bytes named: an add, a close). So for
+    stats' format: bad_request."""
+    c = conn
+    c.ok({"op": "add_user", "conversation": "x", "contents": "u"})
+    before = snapshot(c, "x")
+    for op in ("add_user\\u0000junk", "add_user\\u0000", "close\\u0000", "ping\\u0000x",
+               "add_summary\\u0000", "stats\\u0000"):
+        raw = ('{"id":7,"op":"%s","conversation":"x","contents":"v"}\n' % op).encode()
+        c.send_raw(raw)
+        r = c.recv()
+        assert r.get("id") == 7 and r["ok"] is False and r["error"]["code"] == "unknown_op", (op, r)
+        assert "NUL" in r["error"]["message"], r
+    for conv in ("y", "x"):
+        c.send_raw(('{"op":"add_user\\u0000","conversation":"%s","contents":"v"}\n'
+                    % conv).encode())
+        assert c.recv()["error"]["code"] == "unknown_op"
+    assert snapshot(c, "x") == before
+    not_found(c, "y")
+    for fmt in ("json\\u0000xml", "prometheus\\u0000", "json\\u0000"):
+        c.send_raw(('{"op":"stats","format":"%s"}\n' % fmt).encode())
+        r = c.recv()
+        assert r["ok"] is False and r["error"]["code"] == "bad_request", (fmt, r)
+        assert "format" in r["error"]["message"], r
+
+
 def test_conversation_is_an_unknown_field_of_ops_without_one(conn):
     """protocol.md: unknown fields are ignored. list, stats, ping and the extensions without
     a conversation answer as if "conversation" were absent, whatever it holds; flush, where

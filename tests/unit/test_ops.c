@@ -53,7 +53,8 @@ static enum error_code request(struct convo *c, const char *json, json_t **resul
                                struct error *e)
 {
 	json_t *req = parse(json);
-	enum op op = ops_lookup(json_string_value(json_object_get(req, "op")));
+	enum op op = ops_lookup(json_string_value(json_object_get(req, "op")),
+	                        json_string_length(json_object_get(req, "op")));
 	enum error_code rc;
 	*result = NULL;
 	*changed = true; /* ops_run must clear it */
@@ -114,8 +115,9 @@ static void check_bad(const char *json, const char *msg, int line)
 {
 	json_t *req = parse(json);
 	struct error e = {ERR_OK, ""};
-	enum error_code rc =
-	    ops_check(ops_lookup(json_string_value(json_object_get(req, "op"))), req, &e);
+	enum error_code rc = ops_check(ops_lookup(json_string_value(json_object_get(req, "op")),
+	                                          json_string_length(json_object_get(req, "op"))),
+	                               req, &e);
 	test_checks++;
 	if (rc != ERR_BAD_REQUEST || strcmp(e.message, msg)) {
 		test_failures++;
@@ -189,10 +191,18 @@ static void test_table(void)
 	for (int op = OP_ADD_USER; op < OP_COUNT && op - 1 < (int)(sizeof(names) / sizeof(names[0]));
 	     op++) {
 		CHECK_STR(ops_name((enum op)op), names[op - 1]);
-		CHECK((int)ops_lookup(names[op - 1]) == op);
+		CHECK((int)ops_lookup(names[op - 1], strlen(names[op - 1])) == op);
+		/* A name and more: a NUL, or its first bytes only. */
+		char longer[32];
+		size_t n = strlen(names[op - 1]);
+		memcpy(longer, names[op - 1], n);
+		memcpy(longer + n, "\0x", 3);
+		CHECK(ops_lookup(longer, n + 1) == OP_UNKNOWN &&
+		      ops_lookup(longer, n + 2) == OP_UNKNOWN);
+		CHECK(ops_lookup(longer, n - 1) == OP_UNKNOWN);
 	}
-	CHECK(ops_lookup("Add_user") == OP_UNKNOWN && ops_lookup("") == OP_UNKNOWN);
-	CHECK(ops_lookup("unknown") == OP_UNKNOWN && ops_lookup(NULL) == OP_UNKNOWN);
+	CHECK(ops_lookup("Add_user", 8) == OP_UNKNOWN && ops_lookup("", 0) == OP_UNKNOWN);
+	CHECK(ops_lookup("unknown", 7) == OP_UNKNOWN && ops_lookup(NULL, 0) == OP_UNKNOWN);
 	CHECK_STR(ops_name(OP_UNKNOWN), "unknown");
 	CHECK_STR(ops_name(OP_COUNT), "unknown");
 	for (int op = OP_UNKNOWN; op < OP_COUNT; op++) {
@@ -548,7 +558,8 @@ static void test_validation(void)
 	for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
 		json_t *req = parse(good[i]);
 		struct error e = {ERR_OK, ""};
-		enum op op = ops_lookup(json_string_value(json_object_get(req, "op")));
+		enum op op = ops_lookup(json_string_value(json_object_get(req, "op")),
+		                        json_string_length(json_object_get(req, "op")));
 		CHECK(op != OP_UNKNOWN && ops_check(op, req, &e) == ERR_OK);
 		json_decref(req);
 	}
@@ -668,7 +679,8 @@ static void test_rollback(void)
 	int clean = 1, all_done = 1, failed = 0;
 	for (size_t k = 0; k < sizeof(reqs) / sizeof(reqs[0]); k++) {
 		json_t *req = parse(reqs[k]);
-		enum op op = ops_lookup(json_string_value(json_object_get(req, "op")));
+		enum op op = ops_lookup(json_string_value(json_object_get(req, "op")),
+		                        json_string_length(json_object_get(req, "op")));
 		bool done = false;
 		for (long n = 0; n < 400 && !done; n++) {
 			char *before = convo_describe(c), *after;
