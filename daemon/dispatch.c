@@ -93,14 +93,22 @@ void dispatch_free(struct dispatch *d)
 
 /* The dirty lists. A conversation is on the store list until a commit succeeds and on the
  * sink list while the flusher has something to take from it. */
-static void mark_store_dirty(struct dispatch *d, struct convo *c)
+/* c goes into the next commit, which need not come before this turn's answers: its row is
+ * written open (store_put_conversation, as FLAG_ROW_OPEN is clear) by the next turn that
+ * commits anyway, or by the flush tick. */
+static void mark_row_reopen(struct dispatch *d, struct convo *c)
 {
-	d->changed = true;
 	if (!d->store || (c->daemon_flags & FLAG_STORE_DIRTY))
 		return;
 	c->daemon_flags |= FLAG_STORE_DIRTY;
 	c->daemon_next_store = d->store_dirty;
 	d->store_dirty = c;
+}
+
+static void mark_store_dirty(struct dispatch *d, struct convo *c)
+{
+	d->changed = true;
+	mark_row_reopen(d, c);
 }
 
 static void mark_sink_dirty(struct dispatch *d, struct convo *c)
@@ -805,6 +813,23 @@ static int reread_one(void *arg, struct convo *c)
 	return restore_one(d, c);
 }
 
+static void reopen_row(void *arg, struct convo *c)
+{
+	struct dispatch *d = arg;
+	if (!(c->daemon_flags & (FLAG_ROW_OPEN | FLAG_CLOSING)))
+		mark_row_reopen(d, c);
+}
+
+/* Whether every conversation in memory that is not closing has its row committed open, so
+ * that the retention purge cannot remove one in use. One whose reopening a failed commit
+ * undid (revert_to_store reads it back as the store holds it) is marked for the next
+ * commit, and the purge waits for that. */
+static bool rows_open(struct dispatch *d)
+{
+	registry_each(&d->reg, reopen_row, d);
+	return !d->store_dirty;
+}
+
 void dispatch_flush_tick(struct dispatch *d, bool all)
 {
 	int64_t now = dispatch_now_ms();
@@ -854,7 +879,7 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 	 * for, so it runs in a quiet tick, unless it is an hour overdue. */
 	if (d->store && d->cfg->closed_retention_days && now >= d->purge_due_ms &&
 	    (quiet || now >= d->purge_due_ms + DISPATCH_PURGE_EVERY_MS) &&
-	    !store_in_transaction(d->store)) {
+	    !store_in_transaction(d->store) && rows_open(d)) {
 		size_t removed = 0;
 		int64_t before = now - (int64_t)d->cfg->closed_retention_days * 86400000;
 		d->purge_due_ms = now + DISPATCH_PURGE_EVERY_MS;
@@ -1539,6 +1564,11 @@ static enum find_result find_convo(struct dispatch *d, enum op op, const char *c
 				error_set(err, ERR_INTERNAL, "out of memory");
 				return FIND_FAIL;
 			}
+			/* Named again, a closed conversation is open again for good, whatever the
+			 * request (a read too): the next commit reopens its row, so that the next
+			 * start restores it and the retention purge leaves it alone. A read does
+			 * not wait for that commit (nor fail with it on a full disk). */
+			mark_row_reopen(d, c);
 			if (sink_has_pending(c))
 				mark_sink_dirty(d, c);
 		} else if (rc == -ENOMEM) {

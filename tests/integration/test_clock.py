@@ -22,13 +22,16 @@ Under valgrind the preload cannot reach the daemon (valgrind is the process), so
 tests skip there; they run in the normal and the sanitizer stages.
 """
 import glob
+import json
 import os
+import sqlite3
 import time
 
 import pytest
 
 import ddb
 from conftest import TIMEOUT_SCALE, VALGRIND
+from test_disk_full import fill, small_fs  # noqa: F401 (small_fs: a fixture)
 from test_persistence import ddb_env, expected_item, full_log, wait_until
 
 FAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
@@ -100,6 +103,93 @@ def test_closed_past_retention_purged(tmp_path, daemon_factory):
     assert [m["message"]["contents"] for m in
             c.ok({"op": "get_messages", "conversation": "recent-close"})["messages"]] == [
                 ["opened a month ago, closed now"]]
+    assert d.stop() == 0, d.log()
+
+
+def test_a_read_keeps_a_closed_conversation_from_the_purge(tmp_path, daemon_factory):
+    """A closed conversation named again by a read is open again for good: the retention
+    purge, which runs right after the clock jumps a month, leaves it alone, and a message
+    added after the purge joins the whole log, across a restart. (Its row used to stay
+    closed: the purge removed it from the store while memory held it, and the restart
+    brought back only the message added after.)"""
+    env, control = faked(tmp_path)
+    d = daemon_factory(["--closed-retention-days", "30", "--flush-interval", "100"], env=env)
+    c = d.connect()
+    for conv in ("read", "unread"):
+        add(c, conv, "hello " + conv)
+        add(c, conv, "answer " + conv, op="add_assistant")
+        c.ok({"op": "close", "conversation": conv})
+    wait_until(lambda: c.ok({"op": "list"})["conversations"] == [], 10 * TIMEOUT_SCALE,
+               "the closed conversations out of memory")
+    assert len(c.ok({"op": "get_messages", "conversation": "read"})["messages"]) == 2
+
+    control.write_text("+31d\n")
+    # The purge runs at the first quiet tick: it takes the unread one only.
+    wait_until(lambda: "past retention" in d.log(), 20 * TIMEOUT_SCALE,
+               "the retention purge in the log")
+    assert "removed 1 closed conversations past retention" in d.log(), d.log()
+    c.err({"op": "get_messages", "conversation": "unread"}, "not_found")
+    add(c, "read", "after the purge")
+    want = [["hello read"], ["answer read"], ["after the purge"]]
+    assert [m["message"]["contents"] for m in
+            c.ok({"op": "get_messages", "conversation": "read"})["messages"]] == want
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    assert [x["conversation"] for x in c.ok({"op": "list"})["conversations"]] == ["read"]
+    assert [m["message"]["contents"] for m in
+            c.ok({"op": "get_messages", "conversation": "read"})["messages"]] == want
+    assert d.stop() == 0, d.log()
+
+
+def test_a_reopening_undone_by_a_failed_commit_is_made_again_before_the_purge(
+        tmp_path, daemon_factory, small_fs):
+    """The read's reopening rides on the next commit. When that commit fails (a full disk),
+    the conversation is read back as the store holds it, closed, while memory holds it:
+    the purge, once due, first has its row reopened by a commit of its own and leaves it
+    alone."""
+    env, control = faked(tmp_path)
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--closed-retention-days", "30",
+                        "--flush-interval", "500"], env=env)
+    c = d.connect()
+    for conv in ("read", "unread"):
+        add(c, conv, "hello " + conv)
+        add(c, conv, "answer " + conv, op="add_assistant")
+        c.ok({"op": "close", "conversation": conv})
+    wait_until(lambda: c.ok({"op": "list"})["conversations"] == [], 10 * TIMEOUT_SCALE,
+               "the closed conversations out of memory")
+    filler = fill(small_fs)
+    for i in range(50):
+        r = c.request({"op": "add_message", "conversation": "big", "role": "user",
+                       "contents": "x%d " % i + "y" * 20000})
+        if not r["ok"]:
+            break
+    assert not r["ok"] and r["error"]["code"] == "unavailable", r
+    # The read and a change that cannot be stored, in one turn: one commit, which fails.
+    c.send_raw((json.dumps({"id": 1, "op": "get_messages", "conversation": "read"}) + "\n" +
+                json.dumps({"id": 2, "op": "add_message", "conversation": "big", "role": "user",
+                            "contents": "z" * 20000}) + "\n").encode())
+    answers = [c.recv(), c.recv()]
+    assert answers[1]["error"]["code"] == "unavailable", answers
+    db = sqlite3.connect(os.path.join(state, "convod.db"))
+    assert db.execute("SELECT closed FROM conversations WHERE CAST(id AS TEXT) = 'read'").fetchone()[0] > 0
+    db.close()
+    assert "read" in [x["conversation"] for x in c.ok({"op": "list"})["conversations"]]
+
+    os.unlink(filler)
+    control.write_text("+31d\n")
+    wait_until(lambda: "past retention" in d.log(), 20 * TIMEOUT_SCALE,
+               "the retention purge in the log")
+    assert "removed 1 closed conversations past retention" in d.log(), d.log()
+    add(c, "read", "after the purge")
+    want = [["hello read"], ["answer read"], ["after the purge"]]
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    assert [m["message"]["contents"] for m in
+            c.ok({"op": "get_messages", "conversation": "read"})["messages"]] == want
+    c.err({"op": "get_messages", "conversation": "unread"}, "not_found")
     assert d.stop() == 0, d.log()
 
 
