@@ -1,7 +1,9 @@
 /* Newline framing of a byte stream with a line-length limit: bytes are read straight into
  * the framer's buffer, complete lines come out borrowed. Memory stays under the limit
- * plus one read: an over-long line is reported once and its bytes are discarded up to the
- * next newline. */
+ * plus one read: an over-long line's bytes are discarded as they come, and the line is
+ * reported once its newline arrives, unless it was blank (white space only, as
+ * ops_text_blank judges, which a blank line of any length is: ignored). An over-long line
+ * the stream ends in before its newline is an unfinished request: never reported. */
 #ifndef CONVOD_FRAMER_H
 #define CONVOD_FRAMER_H
 
@@ -16,12 +18,15 @@ struct framer {
 	size_t scanned;   /* bytes from start already known to hold no '\n' */
 	size_t max_line;  /* limit on a line's bytes, terminator ("\n" or "\r\n") excluded */
 	bool discarding;  /* inside an over-long line: drop bytes up to the next '\n' */
+	bool blank;       /* while discarding: the line's bytes so far are white space */
+	unsigned char carry[2]; /* and the start of a character the last read split */
+	unsigned char carry_len;
 };
 
 enum framer_event {
 	FRAMER_NONE = 0,  /* no complete line buffered */
 	FRAMER_LINE,      /* *line / *len hold one line without its terminator */
-	FRAMER_TOO_LARGE, /* a line went over max_line; its bytes are being discarded */
+	FRAMER_TOO_LARGE, /* a line over max_line ended (not blank); its bytes were discarded */
 };
 
 void framer_init(struct framer *f, size_t max_line);

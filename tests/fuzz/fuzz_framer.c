@@ -8,6 +8,7 @@
 
 #include "framer.h"
 #include "fuzz.h"
+#include "ops.h"
 
 /* One event of the model: a line [start, start+len) of the stream, or a too-large line. */
 struct model_event {
@@ -15,10 +16,11 @@ struct model_event {
 	size_t start, len;
 };
 
-/* The model: every '\n'-terminated line gives one event; the unterminated tail gives a
- * too-large event when it can no longer fit (over max_line + 1 bytes, or exactly that
- * many without a trailing '\r'). Returns the count; *tail is the tail's length and
- * *tail_too_large whether it was reported. */
+/* The model: every '\n'-terminated line gives one event, but an over-long blank one
+ * (ops_text_blank of the whole line) none; the unterminated tail none, however long (an
+ * unfinished request: it is discarded once it can no longer fit, over max_line + 1 bytes
+ * or exactly that many without a trailing '\r'). Returns the count; *tail is the tail's
+ * length and *tail_too_large whether it is being discarded. */
 static size_t model_run(const uint8_t *s, size_t n, size_t max_line, struct model_event *ev,
                         size_t *tail, bool *tail_too_large)
 {
@@ -31,20 +33,16 @@ static size_t model_run(const uint8_t *s, size_t n, size_t max_line, struct mode
 		len = i - start;
 		if (len > 0 && s[i - 1] == '\r')
 			len--;
-		ev[nev].too_large = len > max_line;
-		ev[nev].start = start;
-		ev[nev].len = len;
-		nev++;
+		if (len <= max_line || !ops_text_blank((const char *)s + start, len)) {
+			ev[nev].too_large = len > max_line;
+			ev[nev].start = start;
+			ev[nev].len = len;
+			nev++;
+		}
 		start = i + 1;
 	}
 	*tail = n - start;
 	*tail_too_large = *tail > max_line + 1 || (*tail == max_line + 1 && s[n - 1] != '\r');
-	if (*tail_too_large) {
-		ev[nev].too_large = true;
-		ev[nev].start = start;
-		ev[nev].len = *tail;
-		nev++;
-	}
 	return nev;
 }
 

@@ -226,6 +226,64 @@ def test_line_limit_excludes_crlf_terminator(daemon_factory):
     assert c.request({"id": 3, "op": "ping"})["id"] == 3
 
 
+def test_over_long_blank_lines_ignored(daemon_factory):
+    """A blank line is ignored whatever its length: past the limit too (white space, Unicode's
+    included, its characters split between writes), as a blank line within it is. An
+    over-long line is answered once its newline comes, too_large unless it was blank."""
+    d = daemon_factory(["--max-line-bytes", "64"])
+    c = d.connect()
+    ws = b" \t\xc2\xa0\xe3\x80\x80\xe2\x80\xa8\x0b\x0c\r" * 40
+    c.send_raw(ws + b"\n" + b" " * 100 + b"\r\n" + frame({"id": 1, "op": "ping"}))
+    assert c.recv()["id"] == 1
+    # One byte a write, so that every character is split; then in two halves at each byte.
+    for b in ws:
+        c.send_raw(bytes([b]))
+    c.send_raw(b"\n" + frame({"id": 2, "op": "ping"}))
+    assert c.recv()["id"] == 2
+    for cut in range(1, 12):
+        c.send_raw(b" " * 70 + ws[:cut])
+        time.sleep(0.002)
+        c.send_raw(ws[cut:] + b"\n")
+    assert c.request({"id": 3, "op": "ping"})["id"] == 3
+    # Not blank: something else in it, anywhere (the last byte, a character cut short, an
+    # invalid or a 4-byte one, U+200B), each split where a character is.
+    for junk in (b"x", b"\xe3\x80", b"\xc2", b"\xe0\x82\x85", b"\xf0\x9f\x98\x80",
+                 b"\xe2\x80\x8b"):
+        for line in (ws + junk, junk + ws, ws[:70] + junk + ws[70:]):
+            c.send_raw(line[:71])
+            time.sleep(0.002)
+            c.send_raw(line[71:] + b"\n")
+            r = c.recv()
+            assert r["ok"] is False and r["error"]["code"] == "too_large", (junk, r)
+    assert c.request({"id": 4, "op": "ping"})["id"] == 4
+    assert not readable(c.sock, 0.05)
+    # Nothing is answered before the newline: an over-long line is answered when it ends.
+    c.send_raw(b"{" * 100)
+    assert not readable(c.sock, 0.1)
+    c.send_raw(b"\n")
+    assert c.recv()["error"]["code"] == "too_large"
+    s = stats(c)
+    assert s["errors"]["by_code"]["too_large"] == 6 * 3 + 1, s["errors"]
+
+
+def test_unfinished_over_long_line_gets_no_answer(daemon_factory):
+    """protocol.md: bytes after the last newline when the client disconnects are an
+    unfinished request, discarded: an over-long one too gets no answer."""
+    d = daemon_factory(["--max-line-bytes", "64"])
+    c = d.connect()
+    h = Conn(d.socket)
+    h.send_raw(frame({"id": 1, "op": "ping"}) +
+               b'{"id":9,"op":"add_user","conversation":"zz","contents":"' + b"a" * 200)
+    h.sock.shutdown(socket.SHUT_WR)
+    assert h.recv()["id"] == 1
+    h.sock.settimeout(10)
+    assert h.sock.recv(4096) == b"", "no answer for the unfinished line, then the close"
+    h.close()
+    c.err({"op": "describe", "conversation": "zz"}, "not_found")
+    assert "too_large" not in stats(c)["errors"]["by_code"] or \
+        stats(c)["errors"]["by_code"]["too_large"] == 0
+
+
 def test_disconnect_mid_line_changes_nothing(daemon):
     c = daemon.connect()
     c.ok({"op": "add_user", "conversation": "mid", "contents": "kept"})
