@@ -99,7 +99,7 @@ static const struct setting settings[] = {
     {"expires-days", NULL, T_U32, F(expires_days), 0, 0, 36500, true, CONFIG_RELOAD_SINK, "N",
      "DynamoDB TTL attribute 'expires', 0 = none", NULL},
     {"closed-retention-days", NULL, T_U32, F(closed_retention_days), 0, 0, 36500, true, 0, "N",
-     "closed conversations kept locally", NULL},
+     "with DynamoDB, closed conversations kept locally", NULL},
     {"drain-ms", NULL, T_U64, F(drain_ms), 0, 0, 3600000, true, 0, "MS",
      "at shutdown, time left to send the spool", NULL},
     {"connect-timeout-ms", NULL, T_U64, F(connect_timeout_ms), 0, 1, 600000, false, 0, "MS",

@@ -50,6 +50,7 @@ int dispatch_init(struct dispatch *d, const struct config *cfg, struct store *st
 	d->store = store;
 	d->sink = sink;
 	d->remote = sink && sink_remote(sink);
+	d->purge_local = d->remote;
 	while (got < sizeof(seed)) {
 		ssize_t n = getrandom(seed + got, sizeof(seed) - got, 0);
 		if (n < 0) {
@@ -877,7 +878,7 @@ void dispatch_flush_tick(struct dispatch *d, bool all)
 	d->submitted_at_tick = d->submitted;
 	/* The retention purge, about hourly: it folds every pending record first and is waited
 	 * for, so it runs in a quiet tick, unless it is an hour overdue. */
-	if (d->store && d->cfg->closed_retention_days && now >= d->purge_due_ms &&
+	if (d->store && d->purge_local && d->cfg->closed_retention_days && now >= d->purge_due_ms &&
 	    (quiet || now >= d->purge_due_ms + DISPATCH_PURGE_EVERY_MS) &&
 	    !store_in_transaction(d->store) && rows_open(d)) {
 		size_t removed = 0;

@@ -66,6 +66,10 @@ struct dispatch {
 	size_t dropped_since_trim; /* conversations freed since main last ran malloc_trim */
 	uint64_t submitted_at_tick; /* d->submitted at the last flush tick */
 	int64_t purge_due_ms;       /* when the next retention purge is due */
+	/* The retention purge runs: DynamoDB holds what it removes (the sink is remote). With
+	 * the local store as the sink it holds the only copy, and nothing is deleted
+	 * (semantics.md); test_dispatch sets it to stage the purge without DynamoDB. */
+	bool purge_local;
 	bool idle_done;             /* nothing submitted since the store was told it is idle */
 	struct registry reg;
 	struct stats stats;

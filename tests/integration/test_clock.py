@@ -32,7 +32,7 @@ import pytest
 import ddb
 from conftest import TIMEOUT_SCALE, VALGRIND
 from test_disk_full import fill, small_fs  # noqa: F401 (small_fs: a fixture)
-from test_persistence import ddb_env, expected_item, full_log, wait_until
+from test_persistence import ddb_env, expected_item, full_log, wait_drained, wait_until
 
 FAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
 DAY_MS = 86400000
@@ -66,15 +66,43 @@ def creation_ms(answer):
     return answer["message"]["metadata"]["timing"]["creation"]
 
 
-def test_closed_past_retention_purged(tmp_path, daemon_factory):
+def retention_daemon(tmp_path, daemon_factory, dynalite, table, extra=()):
+    """A daemon under libfaketime with DynamoDB as the sink (the purge removes from the local
+    store only what the table holds) and a 30-day retention; and the clock's control file."""
     env, control = faked(tmp_path)
-    d = daemon_factory(["--closed-retention-days", "30", "--flush-interval", "100"], env=env)
+    env.update(ddb_env(dynalite))
+    d = daemon_factory(["--dynamodb-table", table, "--closed-retention-days", "30",
+                        "--flush-interval", "100", "--idle-ms", "200", "--retry-base-ms", "20",
+                        "--retry-max-ms", "300"] + list(extra), env=env)
+    return d, control
+
+
+def in_store(state, conv):
+    """Whether the local store has the conversation's row."""
+    db = sqlite3.connect(os.path.join(state, "convod.db"))
+    try:
+        return db.execute("SELECT count(*) FROM conversations WHERE CAST(id AS TEXT) = ?",
+                          (conv,)).fetchone()[0] == 1
+    finally:
+        db.close()
+
+
+def contents(c, conv):
+    return [m["message"]["contents"] for m in
+            c.ok({"op": "get_messages", "conversation": conv})["messages"]]
+
+
+def test_closed_past_retention_purged(tmp_path, daemon_factory, dynalite, ddb_table):
+    """A conversation closed longer ago than the retention leaves the local store; DynamoDB
+    still holds it, and a request brings it back from there (nothing is deleted)."""
+    d, control = retention_daemon(tmp_path, daemon_factory, dynalite, ddb_table)
     c = d.connect()
     before = creation_ms(add(c, "old", "closed a month ago"))
     add(c, "old", "answer", op="add_assistant")
     c.ok({"op": "close", "conversation": "old"})
     add(c, "open", "never closed")
     add(c, "recent-close", "opened a month ago, closed now")
+    wait_drained(c)  # what is not in the table yet is never purged: none of it here
 
     control.write_text("+31d\n")
     after = creation_ms(add(c, "new", "written after the jump"))
@@ -87,33 +115,49 @@ def test_closed_past_retention_purged(tmp_path, daemon_factory):
 
     wait_until(lambda: "removed 1 closed conversations past retention" in d.log(),
                20 * TIMEOUT_SCALE, "the retention purge in the log")
-    c = d.connect()
-    c.err({"op": "get_messages", "conversation": "old"}, "not_found")
-    for conv, n in (("open", 1), ("recent-close", 1), ("new", 1)):
-        assert len(c.ok({"op": "get_messages", "conversation": conv})["messages"]) == n, conv
+    assert not in_store(d.state_dir, "old")
+    for conv in ("open", "recent-close", "new"):
+        assert in_store(d.state_dir, conv), conv
     # Only once an hour: a second quiet tick removes nothing more.
     time.sleep(0.5)
     assert d.log().count("past retention") == 1, d.log()
+    # DynamoDB holds it: asked for, it comes back from there, whole.
+    c = d.connect()
+    assert contents(c, "old") == [["closed a month ago"], ["answer"]]
+    assert contents(c, "recent-close") == [["opened a month ago, closed now"]]
+    assert d.stop() == 0, d.log()
 
-    # The removal is in the store: a restart (still a month ahead) does not bring it back.
+
+def test_no_purge_with_the_local_store_as_the_sink(tmp_path, daemon_factory):
+    """Without DynamoDB the local store holds the only copy: closed conversations are kept
+    however old (semantics.md: close deletes nothing), closed-retention-days notwithstanding.
+    They used to be removed after 30 days by default."""
+    env, control = faked(tmp_path)
+    d = daemon_factory(["--closed-retention-days", "30", "--flush-interval", "100"], env=env)
+    c = d.connect()
+    add(c, "kept", "closed a year ago")
+    add(c, "kept", "answer", op="add_assistant")
+    c.ok({"op": "close", "conversation": "kept"})
+    control.write_text("+365d\n")
+    add(c, "other", "after the jump")  # a commit, then quiet ticks
+    time.sleep(1.0 * TIMEOUT_SCALE)
+    assert "past retention" not in d.log(), d.log()
+    assert in_store(d.state_dir, "kept")
     assert d.stop() == 0, d.log()
     d.start()
     c = d.connect()
-    c.err({"op": "get_messages", "conversation": "old"}, "not_found")
-    assert [m["message"]["contents"] for m in
-            c.ok({"op": "get_messages", "conversation": "recent-close"})["messages"]] == [
-                ["opened a month ago, closed now"]]
+    assert contents(c, "kept") == [["closed a year ago"], ["answer"]]
     assert d.stop() == 0, d.log()
 
 
-def test_a_read_keeps_a_closed_conversation_from_the_purge(tmp_path, daemon_factory):
+def test_a_read_keeps_a_closed_conversation_from_the_purge(tmp_path, daemon_factory, dynalite,
+                                                            ddb_table):
     """A closed conversation named again by a read is open again for good: the retention
     purge, which runs right after the clock jumps a month, leaves it alone, and a message
     added after the purge joins the whole log, across a restart. (Its row used to stay
     closed: the purge removed it from the store while memory held it, and the restart
     brought back only the message added after.)"""
-    env, control = faked(tmp_path)
-    d = daemon_factory(["--closed-retention-days", "30", "--flush-interval", "100"], env=env)
+    d, control = retention_daemon(tmp_path, daemon_factory, dynalite, ddb_table)
     c = d.connect()
     for conv in ("read", "unread"):
         add(c, conv, "hello " + conv)
@@ -121,6 +165,7 @@ def test_a_read_keeps_a_closed_conversation_from_the_purge(tmp_path, daemon_fact
         c.ok({"op": "close", "conversation": conv})
     wait_until(lambda: c.ok({"op": "list"})["conversations"] == [], 10 * TIMEOUT_SCALE,
                "the closed conversations out of memory")
+    wait_drained(c)
     assert len(c.ok({"op": "get_messages", "conversation": "read"})["messages"]) == 2
 
     control.write_text("+31d\n")
@@ -128,30 +173,27 @@ def test_a_read_keeps_a_closed_conversation_from_the_purge(tmp_path, daemon_fact
     wait_until(lambda: "past retention" in d.log(), 20 * TIMEOUT_SCALE,
                "the retention purge in the log")
     assert "removed 1 closed conversations past retention" in d.log(), d.log()
-    c.err({"op": "get_messages", "conversation": "unread"}, "not_found")
+    assert not in_store(d.state_dir, "unread") and in_store(d.state_dir, "read")
     add(c, "read", "after the purge")
     want = [["hello read"], ["answer read"], ["after the purge"]]
-    assert [m["message"]["contents"] for m in
-            c.ok({"op": "get_messages", "conversation": "read"})["messages"]] == want
+    assert contents(c, "read") == want
     assert d.stop() == 0, d.log()
     d.start()
     c = d.connect()
     assert [x["conversation"] for x in c.ok({"op": "list"})["conversations"]] == ["read"]
-    assert [m["message"]["contents"] for m in
-            c.ok({"op": "get_messages", "conversation": "read"})["messages"]] == want
+    assert contents(c, "read") == want
     assert d.stop() == 0, d.log()
 
 
 def test_a_reopening_undone_by_a_failed_commit_is_made_again_before_the_purge(
-        tmp_path, daemon_factory, small_fs):
+        tmp_path, daemon_factory, small_fs, dynalite, ddb_table):
     """The read's reopening rides on the next commit. When that commit fails (a full disk),
     the conversation is read back as the store holds it, closed, while memory holds it:
     the purge, once due, first has its row reopened by a commit of its own and leaves it
     alone."""
-    env, control = faked(tmp_path)
     state = os.path.join(small_fs, "state")
-    d = daemon_factory(["--state-dir", state, "--closed-retention-days", "30",
-                        "--flush-interval", "500"], env=env)
+    d, control = retention_daemon(tmp_path, daemon_factory, dynalite, ddb_table,
+                                  ["--state-dir", state, "--flush-interval", "500"])
     c = d.connect()
     for conv in ("read", "unread"):
         add(c, conv, "hello " + conv)
@@ -159,6 +201,7 @@ def test_a_reopening_undone_by_a_failed_commit_is_made_again_before_the_purge(
         c.ok({"op": "close", "conversation": conv})
     wait_until(lambda: c.ok({"op": "list"})["conversations"] == [], 10 * TIMEOUT_SCALE,
                "the closed conversations out of memory")
+    wait_drained(c)
     filler = fill(small_fs)
     for i in range(50):
         r = c.request({"op": "add_message", "conversation": "big", "role": "user",
@@ -173,41 +216,41 @@ def test_a_reopening_undone_by_a_failed_commit_is_made_again_before_the_purge(
     answers = [c.recv(), c.recv()]
     assert answers[1]["error"]["code"] == "unavailable", answers
     db = sqlite3.connect(os.path.join(state, "convod.db"))
-    assert db.execute("SELECT closed FROM conversations WHERE CAST(id AS TEXT) = 'read'").fetchone()[0] > 0
+    assert db.execute("SELECT closed FROM conversations WHERE CAST(id AS TEXT) = 'read'"
+                      ).fetchone()[0] > 0
     db.close()
     assert "read" in [x["conversation"] for x in c.ok({"op": "list"})["conversations"]]
 
     os.unlink(filler)
+    wait_drained(c, timeout=30)
     control.write_text("+31d\n")
     wait_until(lambda: "past retention" in d.log(), 20 * TIMEOUT_SCALE,
                "the retention purge in the log")
     assert "removed 1 closed conversations past retention" in d.log(), d.log()
+    assert not in_store(state, "unread") and in_store(state, "read")
     add(c, "read", "after the purge")
     want = [["hello read"], ["answer read"], ["after the purge"]]
     assert d.stop() == 0, d.log()
     d.start()
     c = d.connect()
-    assert [m["message"]["contents"] for m in
-            c.ok({"op": "get_messages", "conversation": "read"})["messages"]] == want
-    c.err({"op": "get_messages", "conversation": "unread"}, "not_found")
+    assert contents(c, "read") == want
     assert d.stop() == 0, d.log()
 
 
-def test_retention_zero_keeps_closed_conversations(tmp_path, daemon_factory):
+def test_retention_zero_keeps_closed_conversations(tmp_path, daemon_factory, dynalite,
+                                                   ddb_table):
     """closed-retention-days = 0: no purge, however old the close."""
-    env, control = faked(tmp_path)
-    d = daemon_factory(["--closed-retention-days", "0", "--flush-interval", "100"], env=env)
+    d, control = retention_daemon(tmp_path, daemon_factory, dynalite, ddb_table,
+                                  ["--closed-retention-days", "0"])
     c = d.connect()
     add(c, "kept", "closed ten years ago")
     c.ok({"op": "close", "conversation": "kept"})
+    wait_drained(c)
     control.write_text("+3650d\n")
     add(c, "other", "after the jump")  # a commit, then quiet ticks
     time.sleep(1.0 * TIMEOUT_SCALE)
     assert "past retention" not in d.log(), d.log()
-    assert d.stop() == 0, d.log()
-    d.start()
-    c = d.connect()
-    assert len(c.ok({"op": "get_messages", "conversation": "kept"})["messages"]) == 1
+    assert in_store(d.state_dir, "kept")
     assert d.stop() == 0, d.log()
 
 

@@ -1017,15 +1017,19 @@ def check_conversations(c, want, cut):
 @pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
                     "ASan stages run it")
 @pytest.mark.parametrize("unsynced", ["lost", "torn"])
-def test_power_loss_in_retention_purge(unsynced, tmp_path, daemon_factory):
-    """The retention purge at machine (test_clock's, the clock moved by libfaketime): it
-    folds what is pending, then removes the closed conversations past retention in one
-    transaction. A power loss anywhere in that leaves all of them whole or all of them
-    gone, and the open ones whole; once the daemon logged the removal, all are gone."""
+def test_power_loss_in_retention_purge(unsynced, tmp_path, daemon_factory, dynalite,
+                                      ddb_table):
+    """The retention purge at machine (test_clock's, the clock moved by libfaketime; with
+    DynamoDB as the sink, without which nothing is purged): it folds what is pending, then
+    removes the closed conversations past retention in one transaction. A power loss
+    anywhere in that leaves all of them whole or all of them gone, and the open ones whole;
+    once the daemon logged the removal, all are gone. The images start without DynamoDB,
+    which would bring a purged conversation back: what they hold is the store's own."""
     nclosed, nopen, nmsg = 12, 3, 20
     env, control = faked(tmp_path)
+    env.update(ddb_env(dynalite))
     d = daemon_factory(["--durability", "machine", "--closed-retention-days", "30",
-                        "--flush-interval", "100"], env=env, start=False)
+                        "--dynamodb-table", ddb_table] + FAST, env=env, start=False)
     log = recorded(d)
     d.start()
     c = d.connect()
@@ -1038,6 +1042,7 @@ def test_power_loss_in_retention_purge(unsynced, tmp_path, daemon_factory):
                   "contents": text})
     for conv in closed:
         c.ok({"op": "close", "conversation": conv})
+    wait_drained(c)  # the purge leaves what DynamoDB does not hold yet
     c.ok({"op": "stats"})  # the answer marks where the record's cuts begin
     control.write_text("+31d\n")
     wait_until(lambda: "removed %d closed conversations past retention" % nclosed in d.log(),

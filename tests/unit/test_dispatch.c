@@ -146,6 +146,12 @@ static void test_retention_schedule(void)
 	free(tick());
 	CHECK(stored("old") && d.purge_due_ms == due);
 
+	/* Due and quiet, but without DynamoDB the store holds the only copy: nothing goes. */
+	CHECK(!d.purge_local);
+	free(tick());
+	CHECK(stored("old") && stored("old-busy") && d.purge_due_ms == due);
+	d.purge_local = true; /* as with DynamoDB as the sink */
+
 	/* Due and quiet: the old closed conversations go, nothing else, and the next purge is
 	 * an hour away. */
 	log = tick();
