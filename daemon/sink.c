@@ -562,7 +562,7 @@ size_t sink_pending(const struct sink *s, const char *conv, size_t conv_len)
 
 bool sink_full(const struct sink *s)
 {
-	return s && s->table && s->depth >= s->cfg.spool_max_items;
+	return s && s->table && s->depth > s->cfg.spool_max_items; /* "grows past" it */
 }
 
 size_t sink_depth(const struct sink *s)

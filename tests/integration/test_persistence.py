@@ -1077,6 +1077,10 @@ def test_full_spool_refuses_writes_reads_go_on(faultproxy, dynalite, ddb_table, 
     c.ok({"op": "flush"})
     st = stats(c)
     assert st["spool"]["items"] == 4, st["spool"]
+    # At the limit, not past it: a change is still taken (persistence.md: "grows past").
+    c.ok({"op": "add_user", "conversation": conv, "contents": "m4"})
+    c.ok({"op": "flush"})
+    assert stats(c)["spool"]["items"] == 5
     maps = full_log(c, conv)
     err = c.err({"op": "add_user", "conversation": conv, "contents": "refused"}, "unavailable")
     assert "spool" in err["message"]
@@ -1091,15 +1095,15 @@ def test_full_spool_refuses_writes_reads_go_on(faultproxy, dynalite, ddb_table, 
     assert full_log(c, conv) == maps
     got = c.ok({"op": "get_messages", "conversation": conv})
     assert [m["message"]["contents"] for m in got["messages"]] == [["m0"], ["m1"], ["m2"],
-                                                                   ["m3"]]
+                                                                   ["m3"], ["m4"]]
     assert c.ok({"op": "get_last_summary", "conversation": conv})["message"] is None
-    assert "m3" in c.ok({"op": "describe", "conversation": conv})["text"]
+    assert "m4" in c.ok({"op": "describe", "conversation": conv})["text"]
     assert [x["conversation"] for x in c.ok({"op": "list"})["conversations"]] == [conv]
     assert stats(c)["errors"]["by_code"]["unavailable"] == 5
     # Back up: the spool drains and writes are taken again.
     faultproxy.set_down(False)
     wait_drained(c, timeout=30)
-    r = c.ok({"op": "add_user", "conversation": conv, "contents": "accepted"})
+    r = c.ok({"op": "add_assistant", "conversation": conv, "contents": "accepted"})
     assert not r["merged"]
     c.ok({"op": "flush"})
     wait_drained(c)
