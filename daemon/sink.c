@@ -856,8 +856,13 @@ static int entry_item(struct sink *s, struct entry *e, uint64_t now, json_t **it
 		        *version, e->wanted);
 		e->wanted = *version;
 	}
-	if (s->cfg.expires_days)
-		expires = wall_ms() / 1000 + (int64_t)s->cfg.expires_days * 86400;
+	/* From the write, or from the message's last change when the wall clock is behind it
+	 * (set back: items written then must not expire days early). */
+	if (s->cfg.expires_days) {
+		int64_t now_ms = wall_ms();
+		expires = (now_ms > updated ? now_ms : updated) / 1000 +
+		          (int64_t)s->cfg.expires_days * 86400;
+	}
 	ec = ddbitem_from_map(e->conv->id, map, *version, updated, expires, item, &err);
 	json_decref(map);
 	if (ec == ERR_INTERNAL) {

@@ -406,6 +406,9 @@ static struct message *build_message(const struct convo *c, const struct convo_e
 		message_free(m);
 		return NULL;
 	}
+	/* Created while the wall clock is behind the conversation's last change: updated keeps
+	 * that time (creation keeps the clock's), so no item is older than the last change. */
+	m->updated_ms = change_ms(env, c->updated_ms);
 	return m;
 }
 

@@ -262,7 +262,7 @@ def test_clock_set_back_does_not_hold_the_last_message(tmp_path, dynalite, ddb_t
     env, control = faked(tmp_path)
     env.update(ddb_env(dynalite))
     d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "50", "--idle-ms",
-                        str(idle)], env=env)
+                        str(idle), "--expires-days", "1"], env=env)
     c = d.connect()
     conv = "clock-back"
     u1 = c.ok({"op": "add_user", "conversation": conv, "contents": "one"})["message"]["id"]
@@ -292,11 +292,20 @@ def test_clock_set_back_does_not_hold_the_last_message(tmp_path, dynalite, ddb_t
     assert int(ddb.get_item(dynalite, ddb_table, conv, a1)["updated"]["N"]) == first
     assert [x["updated"] for x in c.ok({"op": "list"})["conversations"]
             if x["conversation"] == conv] == listed == [first]
-    # Each item is the daemon's message at its version.
-    for m, version in zip(full_log(c, conv), [1, 2]):
+    # A new message after the step too: created by the clock (a day back), its updated is
+    # the conversation's last change. Every item expires a day after that at the earliest:
+    # not a day after the clock, which would have it expire as it is written.
+    four = c.ok({"op": "add_user", "conversation": conv, "contents": "four"})["message"]
+    assert four["metadata"]["timing"]["creation"] < first - DAY_MS + 60000
+    c.ok({"op": "close", "conversation": conv})
+    wait_until(lambda: ddb.get_item(dynalite, ddb_table, conv, four["id"]) is not None, 10,
+               "the new message in the table")
+    c = d.connect()
+    for m, version in zip(full_log(c, conv), [1, 2, 1]):
         item = ddb.get_item(dynalite, ddb_table, conv, m["id"])
-        assert int(item.pop("updated")["N"]) > 0
-        item.pop("expires", None)
+        updated = int(item.pop("updated")["N"])
+        assert updated > 0 and (m["id"] == u1 or updated >= first), (m, updated, first)
+        assert int(item.pop("expires")["N"]) >= updated // 1000 + 86400, item
         assert item == expected_item(conv, m, version), (item, m)
 
 
