@@ -142,11 +142,14 @@ struct sink {
 	 * resync_at is the loop time the last read ended, resync_ms its time on the loop (the
 	 * slices' sum, resync_ns meanwhile). */
 	bool lost, resync_ran, resyncing, resync_now, resync_asked;
+	/* lost_rows: a recording was lost (not only rows put back, sink_reread); the read
+	 * under way counts what it finds in resynced (resync_counts) */
+	bool lost_rows, resync_counts;
 	uv_idle_t scan_idle;
 	int64_t resync_seq;
-	uint64_t resync_at, resync_ms, resync_ns, resync_slice_end, resync_from;
-	size_t resync_rows, resync_slices;
-	uint64_t resynced; /* rows those reads enqueued that the sink had lost */
+	uint64_t resync_at, resync_ms, resync_ns, resync_slice_end;
+	size_t resync_rows, resync_slices, resync_found;
+	uint64_t resynced; /* rows those reads enqueued that the sink had lost ("resent") */
 
 	struct job *jobs;
 
@@ -444,7 +447,7 @@ static void entry_confirmed(struct sink *s, struct entry *e, uint32_t version)
 		        "recording a confirmed write failed (%s); it will be sent again once the "
 		        "store can be written",
 		        strerror(-rc));
-		s->lost = true;
+		s->lost = s->lost_rows = true;
 	}
 	s->confirmed++;
 	e->sending = 0;
@@ -468,8 +471,8 @@ static void entry_dead_letter(struct sink *s, struct entry *e, uint32_t version,
 	if (rc == 0)
 		rc = store_dead_letter(s->store, e->conv->id, e->conv->len, e->sk, version, text,
 		                       error, wall_ms());
-	if (rc < 0)
-		s->lost = true; /* the spool row stays: tried again after sink_resync */
+	if (rc < 0) /* the spool row stays: tried again after sink_resync */
+		s->lost = s->lost_rows = true;
 	free(text);
 	s->dead_lettered++;
 	set_last_error(s, "dead letter: %s", error);
@@ -1021,7 +1024,7 @@ void sink_kick(struct sink *s)
 void sink_lost(struct sink *s)
 {
 	if (s && s->table)
-		s->lost = true;
+		s->lost = s->lost_rows = true;
 }
 
 /* Whether a scan of the spool that last ran at loop time at and took took_ms may run again
@@ -1043,8 +1046,11 @@ static int resync_row(void *arg, int64_t seq, const char *conv, size_t conv_len,
 		rc = 0; /* a row no start would take either */
 	if (rc < 0)
 		return rc;
-	if (s->depth > depth)
-		s->resynced++;
+	if (s->depth > depth) {
+		s->resync_found++;
+		if (s->resync_counts)
+			s->resynced++;
+	}
 	s->resync_seq = seq;
 	/* The slice ends once its time is up: the next one goes on after this row. */
 	if (++s->resync_rows % RESYNC_CLOCK_ROWS == 0 && uv_hrtime() >= s->resync_slice_end)
@@ -1073,16 +1079,17 @@ static void resync_slice(struct sink *s)
 	s->resync_ms = s->resync_ns / 1000000u;
 	if (rc < 0) {
 		s->lost = true;
+		s->lost_rows = s->lost_rows || s->resync_counts;
 		log_msg(LOG_ERROR, SUBSYS, "reading the spool again failed (%s); tried again later",
 		        strerror(-rc));
 		return;
 	}
 	/* Worth a warning when it found rows the sink had let go of. */
-	log_msg(s->resynced > s->resync_from ? LOG_WARN : LOG_INFO, SUBSYS,
+	log_msg(s->resync_counts && s->resync_found ? LOG_WARN : LOG_INFO, SUBSYS,
 	        "read the spool again after %s: %" PRIu64 " rows sent again (%zu rows read in "
 	        "%zu slices, %" PRIu64 " ms on the loop)",
 	        s->resync_asked ? "rows were put back in it" : "a lost recording",
-	        s->resynced - s->resync_from, s->resync_rows, s->resync_slices, s->resync_ms);
+	        (uint64_t)s->resync_found, s->resync_rows, s->resync_slices, s->resync_ms);
 	pump(s);
 }
 
@@ -1152,12 +1159,13 @@ int sink_resync(struct sink *s)
 		return 1;
 	/* Rows lost from now on may come before the read's place: lost again, for the next. */
 	s->resync_asked = s->resync_now;
-	s->lost = s->resync_now = false;
+	/* Rows put back (retry_dead_letters) are sent for the first time: not "resent". */
+	s->resync_counts = s->lost_rows;
+	s->lost = s->resync_now = s->lost_rows = false;
 	s->resyncing = true;
 	s->resync_seq = 0;
 	s->resync_ns = 0;
-	s->resync_rows = s->resync_slices = 0;
-	s->resync_from = s->resynced;
+	s->resync_rows = s->resync_slices = s->resync_found = 0;
 	resync_slice(s);
 	scan_arm(s);
 	return s->resyncing ? 1 : s->lost ? -EIO : 0;

@@ -755,6 +755,9 @@ def test_dead_letter_stays_parked_across_restart(faultproxy, dynalite, ddb_table
     assert c.ok({"op": "retry_dead_letters"})["retried"] == 1
     st = wait_drained(c)
     assert st["sink"]["confirmed"] == 1, st["sink"]
+    # Sent for the first time since it was refused: not "resent" (lost confirmations only).
+    assert st["sink"]["resent"] == 0, st["sink"]
+    assert "read the spool again after rows were put back in it: 1 rows sent again" in d.log()
     table_matches_daemon(dynalite, ddb_table, c, ["parked"])
     c.close()
     assert d.stop() == 0, d.log()
