@@ -3,6 +3,7 @@
 #include "message.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -434,6 +435,35 @@ int message_write_map(struct buf *b, const struct message *m)
 	return PUT(b, "}}");
 }
 
+/* Whether every real in v is one DynamoDB can hold (magnitude 1e-130 to below 1e126, or 0):
+ * the item of a message holding another could never be written, so it is refused before
+ * anything is acknowledged (persistence.md: refuse early what can never be stored). */
+static bool aux_reals_storable(const json_t *v)
+{
+	const char *key;
+	json_t *x;
+	size_t i;
+
+	if (json_is_real(v)) {
+		double a = fabs(json_real_value(v));
+		return a == 0 || (a >= 1e-130 && a < 1e126);
+	}
+	if (json_is_object(v)) {
+		json_object_foreach((json_t *)v, key, x)
+		{
+			if (!aux_reals_storable(x))
+				return false;
+		}
+	} else if (json_is_array(v)) {
+		json_array_foreach(v, i, x)
+		{
+			if (!aux_reals_storable(x))
+				return false;
+		}
+	}
+	return true;
+}
+
 enum error_code message_patch_parse(const json_t *timing, const json_t *aux, const char *where,
                                     struct metadata_patch *p, struct error *err)
 {
@@ -474,6 +504,11 @@ enum error_code message_patch_parse(const json_t *timing, const json_t *aux, con
 	if (aux) {
 		if (!json_is_object(aux))
 			return error_set(err, ERR_BAD_REQUEST, "%saux: expected an object", where);
+		if (!aux_reals_storable(aux))
+			return error_set(err, ERR_BAD_REQUEST,
+			                 "%saux: holds a number out of DynamoDB's range (1e-130 to "
+			                 "1e126 in magnitude)",
+			                 where);
 		if (json_object_size(aux))
 			p->aux = (json_t *)aux;
 	}

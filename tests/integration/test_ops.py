@@ -612,6 +612,30 @@ def test_numbers_jansson_cannot_hold(conn):
     assert "expected" in r["error"]["message"], r
 
 
+def test_aux_reals_dynamodb_cannot_hold(conn):
+    """persistence.md: refuse early what can never be stored. A double DynamoDB's numbers
+    cannot hold (magnitude 1e126 or more, or below 1e-130 but not 0) is refused in aux,
+    whatever the sink; it used to be acknowledged, then dead-lettered for good. The edges
+    and 0 are kept."""
+    c = conn
+    r = c.ok({"op": "add_user", "conversation": "range", "contents": "a",
+              "metadata": {"aux": {"edges": [9.99e125, -9.99e125, 1e-130, -1e-130, 0.0]}}})
+    mid = r["message"]["id"]
+    before = full_log(c, "range")
+    for bad in (1.7976931348623157e308, 1e126, -1e126, 5e-324, 1e-131, -2.5e-200):
+        for req in ({"op": "add_assistant", "conversation": "range", "contents": "b",
+                     "metadata": {"aux": {"n": bad}}},
+                    {"op": "set_metadata", "conversation": "range", "message_id": mid,
+                     "aux": {"deep": [{"n": [bad]}]}},
+                    {"op": "add_user", "conversation": "range-new", "contents": "b",
+                     "metadata": {"aux": {"n": bad}}}):
+            err = c.err(req, "bad_request")
+            assert "DynamoDB's range" in err["message"], (bad, err)
+    assert full_log(c, "range") == before
+    not_found = c.request({"op": "describe", "conversation": "range-new"})
+    assert not_found["error"]["code"] == "not_found", not_found
+
+
 def test_whole_numbers_written_as_reals(conn):
     """JSON does not tell 1000 from 1000.0 (nor does the schemas' "integer"): an integer
     field takes a real without a fraction, up to 2^53, and keeps it as the integer; a
