@@ -1516,15 +1516,15 @@ enum dispatch_retry dispatch_retry_step(struct dispatch *d)
 	if (!d->retry_wait)
 		return DISPATCH_RETRY_DONE;
 	d->retry_ns += elapsed;
-	if (rc < 0) {
+	if (rc < 0)
 		log_msg(LOG_ERROR, "store", "retry_dead_letters: cannot move dead letters: %s",
 		        strerror(-rc));
-		retry_finish(d, DISPATCH_REMOTE_FAILED, true);
-		return DISPATCH_RETRY_DONE;
-	}
-	if (!more) {
-		retry_finish(d, DISPATCH_REMOTE_ABSENT, true);
-		return DISPATCH_RETRY_DONE;
+	if (rc < 0 || !more) {
+		retry_finish(d, rc < 0 ? DISPATCH_REMOTE_FAILED : DISPATCH_REMOTE_ABSENT, true);
+		/* Its answer went out, and the connection's next line may be another
+		 * retry_dead_letters, started meanwhile: it is stepped on, not dropped (its
+		 * client waited for ever, and every later one joined it). */
+		return d->retry_wait ? DISPATCH_RETRY_MORE : DISPATCH_RETRY_DONE;
 	}
 	return DISPATCH_RETRY_MORE;
 }

@@ -770,6 +770,25 @@ def test_dead_letter_stays_parked_across_restart(faultproxy, dynalite, ddb_table
     assert d.stop() == 0, d.log()
 
 
+def test_pipelined_retry_dead_letters_each_answered(daemon_factory):
+    """retry_dead_letters twice in a row on one connection, then more: each is answered, in
+    order. The second started while the first's answer went out, inside the step that ended
+    the first, and was never stepped: its connection waited for ever, and every later
+    retry_dead_letters (from any connection) joined it."""
+    d = daemon_factory()
+    c = d.connect()
+    c.send_raw(b'{"id":0,"op":"retry_dead_letters"}\n{"id":1,"op":"retry_dead_letters"}\n'
+               b'{"id":2,"op":"ping"}\n{"id":3,"op":"retry_dead_letters"}\n')
+    answers = [c.recv() for _ in range(4)]
+    assert [a["id"] for a in answers] == [0, 1, 2, 3], answers
+    assert [a["result"] for a in answers if a["id"] != 2] == [{"retried": 0}] * 3, answers
+    other = d.connect()
+    assert other.ok({"op": "retry_dead_letters"}) == {"retried": 0}
+    retry = other.ok({"op": "stats"})["store"]["retry"]
+    assert retry["running"] is False and retry["moves"] == 4, retry
+    assert d.stop() == 0, d.log()
+
+
 def spool_bytes(state_dir):
     """The sum of the spool's map_bytes."""
     return store_rows(state_dir, "SELECT coalesce(sum(map_bytes), 0) FROM spool")[0][0]
