@@ -177,10 +177,10 @@ static void on_signal(uv_signal_t *h, int signum)
 	struct daemon *d = h->data;
 
 	d->signals_seen++;
-	notify_stopping("Stopping: answering what was read, then flushing");
+	notify_stopping("Stopping: answering what was sent before, then flushing");
 	log_msg(LOG_INFO, "main", "%s: %s", strsignal(signum),
-		d->signals_seen == 1 ? "stopping (answering what was read, then flushing)"
-				     : "stopping now");
+	        d->signals_seen == 1 ? "stopping (answering what was sent before, then flushing)"
+	                             : "stopping now");
 	server_stop(&d->server, on_stopped);
 	/* A second signal while the flusher drains: stop waiting for it (the spool keeps
 	 * what is unsent for the next start). */

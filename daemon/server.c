@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -58,6 +59,8 @@ struct conn {
 	bool reading; /* uv_read_start is in effect */
 	bool paused;  /* over max_output_bytes: neither read nor served */
 	bool eof;     /* the client closed its side: answer what is left, then close */
+	bool drained; /* at stop: what it sent before is read (conn_drain_socket) */
+	size_t stop_left; /* at stop: bytes of its socket's queue at the signal not yet read */
 	bool closing; /* uv_close called */
 	char *held;   /* a line waiting for a restore from DynamoDB (owned) */
 	size_t held_len;
@@ -151,10 +154,15 @@ static void conn_close(struct conn *c)
 	uv_close((uv_handle_t *)&c->pipe, on_closed);
 }
 
-/* The client has nothing more to say and everything has been answered: close. */
+static void conn_drain_socket(struct conn *c);
+
+/* The client has nothing more to say and everything has been answered: close. At a stop,
+ * "nothing more" is what it sent before: its socket read to the end (drained). */
 static void conn_close_if_done(struct conn *c)
 {
 	if (c->closing || !(c->eof || c->srv->stopping))
+		return;
+	if (!c->eof && !c->drained)
 		return;
 	if (conn_backlog(c) == 0 && !c->held && !(c->paused && framer_pending(&c->fr) > 0))
 		conn_close(c);
@@ -298,8 +306,10 @@ static void on_restore_ready(void *waiter, enum dispatch_remote outcome)
 	free(line);
 	conn_serve(c);
 	if (!c->held) {
+		if (c->srv->stopping)
+			conn_drain_socket(c); /* what was sent after the held line */
 		if (c->eof || c->srv->stopping) {
-			if (!c->paused) {
+			if (!c->paused && !c->held) {
 				framer_free(&c->fr);
 				framer_init(&c->fr, c->srv->cfg->max_line_bytes);
 			}
@@ -346,6 +356,8 @@ static void conn_resume(struct conn *c)
 		return;
 	c->paused = false;
 	conn_serve(c);
+	if (c->srv->stopping)
+		conn_drain_socket(c); /* the rest of what was sent before the stop */
 	if (!c->paused && !c->held && (c->eof || c->srv->stopping) && framer_pending(&c->fr) > 0) {
 		/* Only an unfinished line is left: discard it. */
 		framer_free(&c->fr);
@@ -1227,29 +1239,43 @@ static void on_deadline(uv_timer_t *t)
 }
 
 /* At stop: what the client sent before the signal is in the socket's receive queue. Read it
- * now (without blocking) and answer every complete line, so no request already sent is
- * dropped and the close does not reset the connection over unread data. */
+ * (without blocking) and answer every complete line, so no request already sent is dropped
+ * and the close does not reset the connection over unread data: now, and again each time
+ * the connection, paused for its unread answers or waiting for a restore, goes on. */
 static void conn_drain_socket(struct conn *c)
 {
 	uv_os_fd_t fd;
 
-	if (c->closing || c->eof || uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0)
+	if (c->closing || c->eof || c->drained || uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0)
 		return;
 	while (!c->paused && !c->held && !c->closing) {
 		char *p;
 		size_t n;
 		ssize_t got;
 
-		if (framer_reserve(&c->fr, READ_CHUNK, &p, &n) < 0)
+		if (c->stop_left == 0) {
+			c->drained = true; /* what comes after the signal is not read */
 			break;
-		got = recv(fd, p, n, MSG_DONTWAIT);
+		}
+		if (framer_reserve(&c->fr, READ_CHUNK, &p, &n) < 0) {
+			c->drained = true; /* no memory to read it: given up */
+			break;
+		}
+		got = recv(fd, p, n < c->stop_left ? n : c->stop_left, MSG_DONTWAIT);
 		if (got > 0) {
+			c->stop_left -= (size_t)got;
 			framer_commit(&c->fr, (size_t)got);
 			conn_serve(c);
 			continue;
 		}
 		if (got == 0)
 			c->eof = true;
+		else if (errno == EAGAIN || errno == EWOULDBLOCK)
+			c->drained = true;
+		else if (errno == EINTR)
+			continue;
+		else
+			c->eof = true; /* a reset: nothing more will come */
 		break;
 	}
 }
@@ -1272,8 +1298,16 @@ void server_stop(struct server *s, void (*on_stopped)(struct server *s))
 	}
 	uv_timer_start(&s->deadline, on_deadline, STOP_DEADLINE_MS, 0);
 	for (c = s->conns; c; c = next) {
+		uv_os_fd_t fd;
+		int queued = 0;
 		next = c->next;
 		conn_read_stop(c);
+		/* What it sent before the signal: the bytes in its socket's queue now. A client
+		 * that goes on sending cannot hold the stop. */
+		c->stop_left = uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0 &&
+		                       ioctl(fd, FIONREAD, &queued) == 0 && queued >= 0
+		                   ? (size_t)queued
+		                   : SIZE_MAX;
 		conn_drain_socket(c);
 		/* An unfinished line will never be finished now. */
 		if (!c->paused && !c->held) {

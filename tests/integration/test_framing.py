@@ -565,6 +565,47 @@ def test_stop_while_paused_with_an_unfinished_line(daemon_factory):
     assert d.stop() == 0, d.log()[-2000:]
 
 
+def test_stop_answers_what_was_sent_before_it_past_a_pause(daemon_factory):
+    """protocol.md: at a stop, every line a client sent before it is answered. A client
+    pipelines requests with big answers, then 2000 adds, and reads nothing until after the
+    SIGTERM: the daemon paused reading it (its answers over --max-output-bytes), so most of
+    the adds still wait in the socket at the signal. They are read as the client reads its
+    answers, each answered, in order, then the connection closes. (They were dropped: the
+    stop read the socket once, and the close reset the connection over the rest.)"""
+    d = daemon_factory(["--max-output-bytes", "65536"])
+    c = d.connect(timeout=20)
+    text = big_conversation(c)
+    n = 2000
+    data = b"".join(frame({"id": i, "op": "describe", "conversation": "big"}) for i in range(8))
+    data += b"".join(frame({"id": 8 + i, "op": "add_user" if i % 2 == 0 else "add_assistant",
+                            "conversation": "sent", "contents": "m%d" % i}) for i in range(n))
+    sender = threading.Thread(target=c.send_raw, args=(data,))
+    sender.start()
+    sender.join(scaled(10))
+    assert not sender.is_alive(), "the socket could not hold the requests"
+    time.sleep(0.3)
+    d.signal(signal.SIGTERM)
+    deadline = time.time() + scaled(10)
+    while os.path.exists(d.socket):  # the stop has begun: the listening socket goes
+        assert time.time() < deadline, "the daemon did not begin its stop"
+        time.sleep(0.02)
+    for i in range(8):
+        r = c.recv()
+        assert r["id"] == i and r["result"]["text"] == text, (i, r)
+    for i in range(n):
+        r = c.recv()
+        assert r["id"] == 8 + i and r["ok"] is True, (i, r)
+    with pytest.raises((EOFError, ConnectionError)):
+        c.recv()
+    assert d.proc.wait(30) == 0, d.log()[-2000:]
+    assert d.stop() == 0
+    d.start()
+    c = d.connect()
+    log = full_log(c, "sent")
+    assert [t for m in log for t in m["message"]["contents"]] == ["m%d" % i for i in range(n)]
+    assert d.stop() == 0, d.log()[-2000:]
+
+
 def test_concurrent_clients(daemon):
     T, N = 20, 200
     out = [None] * T

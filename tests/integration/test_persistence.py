@@ -821,7 +821,7 @@ def _all_dead_lettered(d, faultproxy, n, prefix):
 
 def test_stop_during_a_retry_move(faultproxy, dynalite, ddb_table, daemon_factory):
     """A stop while retry_dead_letters moves dead letters in parts: the move goes on while
-    the stop answers what was read, its client gets the whole count, and a client that left
+    the stop answers what was sent before it, its client gets the whole count, and a client that left
     in the middle of it (its waiter canceled) neither crashes nor leaks anything; nothing is
     lost or doubled across the restart."""
     n = 4000 if os.environ.get("CONVOD_VALGRIND") else 20000
@@ -1417,7 +1417,7 @@ def test_client_gone_while_its_restore_waits(faultproxy, dynalite, ddb_table, da
     assert cb.ok({"op": "ping"})["pong"] is True
     assert b.stop() == 0, b.log()
 
-    # SIGTERM while a line waits for its lookup: the stop answers what was read, so it waits
+    # SIGTERM while a line waits for its lookup: the stop answers what was sent before it, so it waits
     # for the lookup (up to its deadline) and answers; a second SIGTERM closes at once, and
     # the waiting line is dropped unanswered.
     for second in (False, True):
