@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "buf.h"
+#include "ops.h"
 
 /* A growing text buffer; after the first allocation failure every append is a no-op and
  * failed stays set, so callers check once at the end. */
@@ -1195,6 +1196,16 @@ enum error_code convo_restore_finish(struct convo *c, struct error *err)
 		}
 	}
 	c->first_llm = (size_t)(c->last_summary + 1);
+	/* What the rules never leave in a log (ops drop blank strings; convo_add trusts its
+	 * caller, so convo_check does not look): a stored one was not written by convod. */
+	for (size_t i = 0; i < c->nlog; i++) {
+		const struct message *m = c->log[i];
+		for (uint32_t k = 0; k < m->ncontents; k++) {
+			if (ops_text_blank(m->contents[k]->bytes, m->contents[k]->len))
+				return error_set(err, ERR_INTERNAL,
+				                 "invariant: message %zu holds a blank string", i);
+		}
+	}
 	return convo_check(c, err);
 }
 
@@ -1203,6 +1214,7 @@ enum error_code convo_check(const struct convo *c, struct error *err)
 	const char *max = NULL, *last_plain = NULL;
 	long last_summary = -1;
 	size_t bytes = 0;
+	int next_role = ROLE_USER; /* of the next message other than a summary */
 
 	if (c->nlog > c->cap || (c->nlog && !c->log))
 		return error_set(err, ERR_INTERNAL, "invariant: log size");
@@ -1218,6 +1230,21 @@ enum error_code convo_check(const struct convo *c, struct error *err)
 		if (m->fake && m->role != ROLE_USER)
 			return error_set(err, ERR_INTERNAL, "invariant: fake message %zu not user",
 			                 i);
+		/* A fake is "..." put before an assistant message that would start a view: at the
+		 * log's start or right after a summary, never last. */
+		if (m->fake && ((i && c->log[i - 1]->role != ROLE_SUMMARY) || i + 1 == c->nlog ||
+		                m->ncontents != 1 || m->contents[0]->len != 3 ||
+		                memcmp(m->contents[0]->bytes, "...", 3) != 0))
+			return error_set(
+			    err, ERR_INTERNAL,
+			    "invariant: fake message %zu not a \"...\" starting a view", i);
+		/* The whole log alternates, summaries aside (summarized turns included). */
+		if (m->role != ROLE_SUMMARY) {
+			if (m->role != next_role)
+				return error_set(err, ERR_INTERNAL,
+				                 "invariant: roles do not alternate at %zu", i);
+			next_role = next_role == ROLE_USER ? ROLE_ASSISTANT : ROLE_USER;
+		}
 		if (m->creation_ms < 0)
 			return error_set(err, ERR_INTERNAL,
 			                 "invariant: message %zu has no creation time", i);

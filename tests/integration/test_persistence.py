@@ -1345,11 +1345,13 @@ def _break_item(item, how):
         del item["id"]
     elif how == "contents_not_strings":
         item["message"]["M"]["contents"] = {"L": [{"N": "1"}]}
+    elif how == "blank_contents":  # a blank string, which the daemon never keeps
+        item["message"]["M"]["contents"] = {"L": [{"S": " \u3000"}]}
     return item
 
 
 @pytest.mark.parametrize("how", ["message_not_a_map", "unknown_role", "version_not_a_number",
-                                 "no_id", "contents_not_strings"])
+                                 "no_id", "contents_not_strings", "blank_contents"])
 def test_restore_refuses_a_broken_conversation(dynalite, ddb_table, daemon_factory, how):
     """What DynamoDB holds is input too: a conversation with an item the daemon could not
     have written is not restored (half of it, or a guess of it, would be a wrong log). Reads

@@ -1065,7 +1065,7 @@ static void test_restore(void)
 	message_append_text(m, "a", 1);
 	CHECK(convo_restore_append(r, m) == 0);
 	CHECK(convo_restore_finish(r, &e) == ERR_INTERNAL);
-	CHECK_STR(e.message, "invariant: the view does not start with a user message");
+	CHECK_STR(e.message, "invariant: roles do not alternate at 0");
 	convo_free(r);
 	r = convo_new("x", 1);
 	for (int i = 1; i >= 0; i--) {
@@ -1076,6 +1076,56 @@ static void test_restore(void)
 	CHECK(convo_restore_finish(r, &e) == ERR_INTERNAL);
 	CHECK_STR(e.message, "invariant: message ids not increasing at 1");
 	convo_free(r);
+
+	/* Logs only a hand could write: roles that do not alternate before a summary (the
+	 * view after it is sound), a blank string, a fake that starts no view. */
+	struct convo *idsrc = make_convo(&env, 6);
+	static const struct {
+		enum role roles[5];
+		const char *texts[5];
+		bool fake[5];
+		size_t n;
+		const char *error;
+	} broken[] = {
+	    {{ROLE_USER, ROLE_USER, ROLE_ASSISTANT, ROLE_SUMMARY, ROLE_USER},
+	     {"u", "u again", "a", "s", "u"},
+	     {false},
+	     5,
+	     "invariant: roles do not alternate at 1"},
+	    {{ROLE_USER, ROLE_ASSISTANT},
+	     {"u", " \t"},
+	     {false},
+	     2,
+	     "invariant: message 1 holds a blank string"},
+	    {{ROLE_USER},
+	     {"..."},
+	     {true},
+	     1,
+	     "invariant: fake message 0 not a \"...\" starting a view"},
+	    {{ROLE_USER, ROLE_ASSISTANT, ROLE_USER, ROLE_ASSISTANT},
+	     {"u", "a", "...", "a"},
+	     {false, false, true, false},
+	     4,
+	     "invariant: fake message 2 not a \"...\" starting a view"},
+	    {{ROLE_USER, ROLE_ASSISTANT},
+	     {"hm", "a"},
+	     {true, false},
+	     2,
+	     "invariant: fake message 0 not a \"...\" starting a view"},
+	};
+	for (size_t k = 0; k < sizeof(broken) / sizeof(broken[0]); k++) {
+		r = convo_new("x", 1);
+		for (size_t i = 0; i < broken[k].n; i++) {
+			m = message_new(idsrc->log[i]->id, broken[k].roles[i], 1);
+			message_append_text(m, broken[k].texts[i], strlen(broken[k].texts[i]));
+			m->fake = broken[k].fake[i];
+			CHECK(convo_restore_append(r, m) == 0);
+		}
+		CHECK(convo_restore_finish(r, &e) == ERR_INTERNAL);
+		CHECK_STR(e.message, broken[k].error);
+		convo_free(r);
+	}
+	convo_free(idsrc);
 	convo_free(c);
 }
 
