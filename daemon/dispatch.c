@@ -2003,7 +2003,10 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		err = err2;
 		code = code2;
 	}
-	if (ntamed > 0 && (code == ERR_OK || ERR_BAD_REQUEST < code)) {
+	/* Such a number, tamed to 1e300, is also out of DynamoDB's range: the message says what
+	 * it really is. */
+	if (ntamed > 0 && (code == ERR_OK || ERR_BAD_REQUEST < code ||
+	                   (code == ERR_BAD_REQUEST && strstr(err.message, MESSAGE_AUX_RANGE)))) {
 		/* A value the conversation would keep (aux, metadata) cannot hold such numbers:
 		 * taming them would change what is stored. */
 		const char *field = op == OP_SET_METADATA ? "aux"

@@ -505,10 +505,9 @@ enum error_code message_patch_parse(const json_t *timing, const json_t *aux, con
 		if (!json_is_object(aux))
 			return error_set(err, ERR_BAD_REQUEST, "%saux: expected an object", where);
 		if (!aux_reals_storable(aux))
-			return error_set(err, ERR_BAD_REQUEST,
-			                 "%saux: holds a number out of DynamoDB's range (1e-130 to "
-			                 "1e126 in magnitude)",
-			                 where);
+			return error_set(
+			    err, ERR_BAD_REQUEST,
+			    "%saux: " MESSAGE_AUX_RANGE " (1e-130 to 1e126 in magnitude)", where);
 		if (json_object_size(aux))
 			p->aux = (json_t *)aux;
 	}

@@ -136,6 +136,9 @@ struct metadata_patch {
 	json_t *aux;                  /* borrowed object of aux keys to set (null value = remove), or NULL */
 };
 
+/* The error message_patch_parse gives an aux real DynamoDB cannot hold (a part of it). */
+#define MESSAGE_AUX_RANGE "holds a number out of DynamoDB's range"
+
 /* Checks `timing` and `aux` (each may be NULL = absent) against semantics.md's
  * set_metadata rules: timing is an object of known keys except creation with integer
  * values >= 0; aux is an object. `where` prefixes field names in error messages
