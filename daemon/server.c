@@ -111,6 +111,16 @@ static void on_closed(uv_handle_t *h)
 		s->conns = c->next;
 	if (c->next)
 		c->next->prev = c->prev;
+	/* Closed while its turn was deferred (one more poll before the commit, at durability
+	 * process or machine): off the turn's list, which the next loop turn walks. It was
+	 * left on it, freed (heap-use-after-free in server_turn, found by a socket fuzzer). */
+	if (c->dirty) {
+		struct conn **pp = &s->dirty;
+		while (*pp && *pp != c)
+			pp = &(*pp)->next_dirty;
+		if (*pp)
+			*pp = c->next_dirty;
+	}
 	/* Still waiting for a commit: off that list too (it lives across loop turns). */
 	if (c->on_held) {
 		struct conn **pp = &s->held;

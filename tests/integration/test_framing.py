@@ -606,6 +606,42 @@ def test_stop_answers_what_was_sent_before_it_past_a_pause(daemon_factory):
     assert d.stop() == 0, d.log()[-2000:]
 
 
+@pytest.mark.parametrize("durability", ["process", "machine"])
+def test_reset_while_the_turn_waits_for_one_more_poll(daemon_factory, durability):
+    """Clients whose requests and reset arrive in the same loop turn: the daemon reads the
+    requests (their answers wait for the turn's commit, which first polls once more), and
+    its write of earlier answers fails (the client left them unread), so it closes the
+    connection before the deferred turn runs. The connection used to stay on the turn's
+    list once freed: a heap-use-after-free in server_turn that the sanitizer stages catch
+    every time (found by a socket fuzzer). The daemon is stopped (SIGSTOP) while the
+    clients send and close, so that it finds both at once."""
+    d = daemon_factory(["--durability", durability])
+    c = d.connect()
+    batch = b"".join(frame({"id": i, "op": "add_user", "conversation": "reset-%d" % (i % 3),
+                            "contents": "hello %d" % i}) for i in range(20))
+    # Answers enough to fill the socket: the daemon still has some to write at the reset.
+    big = b"".join(frame({"id": i, "op": "get_messages", "conversation": "reset-0"})
+                   for i in range(400))
+    c.send_raw(batch)
+    for _ in range(20):
+        c.recv()
+    for _ in range(5):
+        clients = [Conn(d.socket) for _ in range(8)]
+        for k in clients:
+            k.send_raw(big)  # answered; the answers left unread
+        time.sleep(0.2)
+        d.signal(signal.SIGSTOP)
+        try:
+            for k in clients:
+                k.send_raw(batch)
+                k.close()  # with answers unread: the daemon's side gets a reset
+        finally:
+            d.signal(signal.SIGCONT)
+        assert c.request({"id": "alive", "op": "ping"})["id"] == "alive"
+    assert d.proc.poll() is None, d.log()[-3000:]
+    assert d.stop() == 0, d.log()[-3000:]
+
+
 def test_concurrent_clients(daemon):
     T, N = 20, 200
     out = [None] * T
