@@ -10,7 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define JSCAN_MAX_DEPTH 64
+/* jansson's own (JSON_PARSER_MAX_DEPTH): whatever it reads, this reads too, so that an id
+ * is echoed as written however deep the rest of the request nests (64 used to give up on
+ * it there, and an id beyond 64 bits came back as its tamed 1e300). A frame is small: the
+ * loop's stack holds 2048 of them many times over. */
+#define JSCAN_MAX_DEPTH 2048
 #define JSCAN_MAX_INT_DIGITS 18 /* below 2^63 whatever the digits */
 #define JSCAN_MAX_DECIMAL_EXP 300 /* digits + exponent: far from DBL_MAX's 308 */
 

@@ -576,6 +576,14 @@ def test_numbers_jansson_cannot_hold(conn):
         line = c.recv_line()
         assert line.startswith(b'{"id":' + raw + b',"ok":false,'), line
         assert json.loads(line)["error"]["code"] == "not_found"
+    # However deep the rest nests (up to jansson's 2048 levels): jscan used to stop at 64,
+    # and the id came back as jansson's value (1e300 for the first).
+    for raw in [b"12345678901234567890", b"0e0", b"-0", b"1e-129"]:
+        for depth in (64, 1000, 2046):
+            c.send_raw(b'{"id":' + raw + b',"op":"ping","x":' + b"[" * depth + b"]" * depth +
+                       b'}\n')
+            line = c.recv_line()
+            assert line.startswith(b'{"id":' + raw + b',"ok":true,'), (depth, line)
     # Ignored fields: the request runs as without them.
     c.send_raw(b'{"id":1,"op":"add_user","conversation":"big","contents":"a",'
                b'"x":1e400,"y":[123456789012345678901234567890]}\n')
