@@ -282,7 +282,9 @@ done:
 
 static int scan_value(struct scan *s, struct jscan_value *v, int depth)
 {
-	if (s->i >= s->len)
+	/* Every value is a level, a scalar too, as jansson counts them: 2048 empty containers
+	 * pass, 2048 holding a scalar do not (jansson and this refuse the same lines). */
+	if (s->i >= s->len || depth >= JSCAN_MAX_DEPTH)
 		return -EINVAL;
 	switch (s->p[s->i]) {
 	case '"':

@@ -130,20 +130,26 @@ static void test_refused(void)
 		CHECK(jscan_object("{\"a\":1}\0", 8, m, 2, &n) < 0);
 		CHECK(jscan_object("{\"a\":\"\0\"}", 9, m, 2, &n) < 0);
 	}
-	/* Depth: 2048 levels pass (the object and 2047 arrays, as jansson), 2049 do not. */
+	/* Depth, as jansson counts it (every value a level, a scalar too): the object and 2047
+	 * empty arrays pass, 2048 do not; the object and 2046 arrays around a number pass,
+	 * 2047 do not. */
 	{
 		static char deep[5000];
-		for (int levels = 2047; levels <= 2048; levels++) {
-			size_t k = 0;
-			memcpy(deep, "{\"a\":", 5);
-			k = 5;
-			for (int i = 0; i < levels; i++)
-				deep[k++] = '[';
-			for (int i = 0; i < levels; i++)
-				deep[k++] = ']';
-			deep[k++] = '}';
-			deep[k] = 0;
-			CHECK(accepted(deep) == (levels == 2047));
+		for (int scalar = 0; scalar < 2; scalar++) {
+			for (int levels = 2046 - scalar + 1; levels <= 2048 - scalar; levels++) {
+				size_t k = 0;
+				memcpy(deep, "{\"a\":", 5);
+				k = 5;
+				for (int i = 0; i < levels; i++)
+					deep[k++] = '[';
+				if (scalar)
+					deep[k++] = '1';
+				for (int i = 0; i < levels; i++)
+					deep[k++] = ']';
+				deep[k++] = '}';
+				deep[k] = 0;
+				CHECK(accepted(deep) == (levels == 2047 - scalar));
+			}
 		}
 	}
 }
