@@ -1925,6 +1925,15 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		if (dispatch_fast(d, line, len, out, waiter, remote, opp, &res))
 			return res;
 	}
+	/* A raw NUL byte is never JSON (in a string too, a control character must be escaped),
+	 * but jansson's reader drops one right after a number or a literal (and ran
+	 * {"op":"ping","id":1<NUL>}); found by a socket fuzzer. */
+	const char *nul = memchr(line, '\0', len);
+	if (nul) {
+		error_set(&err, ERR_PARSE_ERROR, "invalid JSON at byte %zu: a NUL byte",
+		          (size_t)(nul - line) + 1);
+		goto fail;
+	}
 	req = load_request(line, len, &jerr, &oom);
 	if (!req && !oom) {
 		/* Valid JSON that jansson refuses for numbers it cannot hold: read again with

@@ -95,6 +95,12 @@ def not_found(c, cid):
     b'{"op":"ping","x":NaN}',
     b'\x00',
     b'{"op":"ping","conversation":"a\x01b"}',
+    # A raw NUL right after a number or a literal (jansson's reader dropped it: ran them).
+    b'{"op":"ping","id":1\x00}',
+    b'{"op":"ping","x":true\x00,"id":3}',
+    b'{"op":null\x00,"id":7}',
+    b'{"op":"add_user","conversation":"nul-after","contents":"x",'
+    b'"metadata":{"timing":{"playStart":7\x00}}}',
 ])
 def test_parse_error_bad_json(conn, raw):
     expect_raw(conn, raw + b"\n", "parse_error")
