@@ -150,6 +150,18 @@ def test_no_purge_with_the_local_store_as_the_sink(tmp_path, daemon_factory):
     assert d.stop() == 0, d.log()
 
 
+def closed_and_sent(c, convs):
+    """Each conversation of convs: a user and an assistant message, closed; then out of
+    memory, and in the table (the purge leaves what DynamoDB does not hold yet)."""
+    for conv in convs:
+        add(c, conv, "hello " + conv)
+        add(c, conv, "answer " + conv, op="add_assistant")
+        c.ok({"op": "close", "conversation": conv})
+    wait_until(lambda: c.ok({"op": "list"})["conversations"] == [], 10 * TIMEOUT_SCALE,
+               "the closed conversations out of memory")
+    wait_drained(c)
+
+
 def test_a_read_keeps_a_closed_conversation_from_the_purge(tmp_path, daemon_factory, dynalite,
                                                             ddb_table):
     """A closed conversation named again by a read is open again for good: the retention
@@ -159,13 +171,7 @@ def test_a_read_keeps_a_closed_conversation_from_the_purge(tmp_path, daemon_fact
     brought back only the message added after.)"""
     d, control = retention_daemon(tmp_path, daemon_factory, dynalite, ddb_table)
     c = d.connect()
-    for conv in ("read", "unread"):
-        add(c, conv, "hello " + conv)
-        add(c, conv, "answer " + conv, op="add_assistant")
-        c.ok({"op": "close", "conversation": conv})
-    wait_until(lambda: c.ok({"op": "list"})["conversations"] == [], 10 * TIMEOUT_SCALE,
-               "the closed conversations out of memory")
-    wait_drained(c)
+    closed_and_sent(c, ("read", "unread"))
     assert len(c.ok({"op": "get_messages", "conversation": "read"})["messages"]) == 2
 
     control.write_text("+31d\n")
@@ -195,13 +201,7 @@ def test_a_reopening_undone_by_a_failed_commit_is_made_again_before_the_purge(
     d, control = retention_daemon(tmp_path, daemon_factory, dynalite, ddb_table,
                                   ["--state-dir", state, "--flush-interval", "500"])
     c = d.connect()
-    for conv in ("read", "unread"):
-        add(c, conv, "hello " + conv)
-        add(c, conv, "answer " + conv, op="add_assistant")
-        c.ok({"op": "close", "conversation": conv})
-    wait_until(lambda: c.ok({"op": "list"})["conversations"] == [], 10 * TIMEOUT_SCALE,
-               "the closed conversations out of memory")
-    wait_drained(c)
+    closed_and_sent(c, ("read", "unread"))
     filler = fill(small_fs)
     for i in range(50):
         r = c.request({"op": "add_message", "conversation": "big", "role": "user",

@@ -533,6 +533,26 @@ def test_pipelined_small_requests_big_answers(daemon_factory):
     assert c.request({"id": "end", "op": "ping"})["id"] == "end"
 
 
+def sigterm_and_wait_for_the_stop(d):
+    """SIGTERM, then waits until the stop has begun (the listening socket goes)."""
+    d.signal(signal.SIGTERM)
+    deadline = time.time() + scaled(10)
+    while os.path.exists(d.socket):
+        assert time.time() < deadline, "the daemon did not begin its stop"
+        time.sleep(0.02)
+
+
+def closed_then_restarted(c, d):
+    """c's connection is closed after its answers, the daemon exits 0; a connection to it
+    started again."""
+    with pytest.raises((EOFError, ConnectionError)):
+        c.recv()
+    assert d.proc.wait(30) == 0, d.log()[-2000:]
+    assert d.stop() == 0
+    d.start()
+    return d.connect()
+
+
 def test_stop_while_paused_with_an_unfinished_line(daemon_factory):
     """A client pipelines requests whose answers exceed --max-output-bytes many times over,
     ends with an unfinished line, and reads nothing: the daemon stops reading it. Then
@@ -546,20 +566,11 @@ def test_stop_while_paused_with_an_unfinished_line(daemon_factory):
                         for i in range(n)) +
                b'{"op":"add_user","conversation":"unfinished","contents":"never run"}')
     time.sleep(0.3)  # the daemon reads, answers until 64 KiB wait, and stops reading
-    d.signal(signal.SIGTERM)
-    deadline = time.time() + scaled(10)
-    while os.path.exists(d.socket):  # the stop has begun: the listening socket goes
-        assert time.time() < deadline, "the daemon did not begin its stop"
-        time.sleep(0.02)
+    sigterm_and_wait_for_the_stop(d)
     for i in range(n):
         r = c.recv()
         assert r["id"] == i and r["result"]["text"] == text, (i, r)
-    with pytest.raises((EOFError, ConnectionError)):
-        c.recv()
-    assert d.proc.wait(30) == 0, d.log()[-2000:]
-    assert d.stop() == 0
-    d.start()
-    c = d.connect()
+    c = closed_then_restarted(c, d)
     c.err({"op": "describe", "conversation": "unfinished"}, "not_found")
     assert c.ok({"op": "describe", "conversation": "big"})["text"] == text
     assert d.stop() == 0, d.log()[-2000:]
@@ -584,23 +595,14 @@ def test_stop_answers_what_was_sent_before_it_past_a_pause(daemon_factory):
     sender.join(scaled(10))
     assert not sender.is_alive(), "the socket could not hold the requests"
     time.sleep(0.3)
-    d.signal(signal.SIGTERM)
-    deadline = time.time() + scaled(10)
-    while os.path.exists(d.socket):  # the stop has begun: the listening socket goes
-        assert time.time() < deadline, "the daemon did not begin its stop"
-        time.sleep(0.02)
+    sigterm_and_wait_for_the_stop(d)
     for i in range(8):
         r = c.recv()
         assert r["id"] == i and r["result"]["text"] == text, (i, r)
     for i in range(n):
         r = c.recv()
         assert r["id"] == 8 + i and r["ok"] is True, (i, r)
-    with pytest.raises((EOFError, ConnectionError)):
-        c.recv()
-    assert d.proc.wait(30) == 0, d.log()[-2000:]
-    assert d.stop() == 0
-    d.start()
-    c = d.connect()
+    c = closed_then_restarted(c, d)
     log = full_log(c, "sent")
     assert [t for m in log for t in m["message"]["contents"]] == ["m%d" % i for i in range(n)]
     assert d.stop() == 0, d.log()[-2000:]
