@@ -618,14 +618,14 @@ static enum error_code parse_attributes(const json_t *attr, struct message *m, s
 	json_array_foreach(attr, i, a)
 	{
 		const char *s = json_string_value(a);
-		if (s && strcmp(s, "fake") == 0 && !m->fake)
+		if (s && strcmp(s, "fake") == 0 && i == 0)
 			m->fake = true;
 		else if (s && strcmp(s, "merged") == 0 && m->merges < UINT32_MAX)
 			m->merges++;
 		else
 			return error_set(err, ERR_BAD_REQUEST,
-			                 "metadata.attribute[%zu]: expected \"fake\" (once) or "
-			                 "\"merged\"",
+			                 "metadata.attribute[%zu]: expected \"fake\" (first, once) "
+			                 "or \"merged\"",
 			                 i);
 	}
 	return ERR_OK;

@@ -1347,11 +1347,15 @@ def _break_item(item, how):
         item["message"]["M"]["contents"] = {"L": [{"N": "1"}]}
     elif how == "blank_contents":  # a blank string, which the daemon never keeps
         item["message"]["M"]["contents"] = {"L": [{"S": " \u3000"}]}
+    elif how == "fake_after_merged":  # a fake in its place, but listed after "merged"
+        item["message"]["M"]["contents"] = {"L": [{"S": "..."}]}
+        item["metadata"]["M"]["attribute"] = {"L": [{"S": "merged"}, {"S": "fake"}]}
     return item
 
 
 @pytest.mark.parametrize("how", ["message_not_a_map", "unknown_role", "version_not_a_number",
-                                 "no_id", "contents_not_strings", "blank_contents"])
+                                 "no_id", "contents_not_strings", "blank_contents",
+                                 "fake_after_merged"])
 def test_restore_refuses_a_broken_conversation(dynalite, ddb_table, daemon_factory, how):
     """What DynamoDB holds is input too: a conversation with an item the daemon could not
     have written is not restored (half of it, or a guess of it, would be a wrong log). Reads
@@ -1362,7 +1366,8 @@ def test_restore_refuses_a_broken_conversation(dynalite, ddb_table, daemon_facto
     logs = {conv: sent_to_table(ca, dynalite, ddb_table, conv, 3, conv + " ")
             for conv in ("broken-remote", "sound-remote")}
     items = ddb.query_all(dynalite, ddb_table, "broken-remote")
-    ddb.put_item(dynalite, ddb_table, _break_item(items[1], how))
+    k = 0 if how == "fake_after_merged" else 1  # a fake's place is the log's start
+    ddb.put_item(dynalite, ddb_table, _break_item(items[k], how))
 
     b = ddb_daemon(daemon_factory, dynalite, ddb_table)  # its own, empty state dir
     cb = b.connect()
@@ -1374,7 +1379,7 @@ def test_restore_refuses_a_broken_conversation(dynalite, ddb_table, daemon_facto
         ["sound-remote"]
     assert cb.ok({"op": "ping"})["pong"] is True
     # Nothing was written over it: the broken item is still the one put there.
-    assert ddb.query_all(dynalite, ddb_table, "broken-remote")[1] == _break_item(items[1], how)
+    assert ddb.query_all(dynalite, ddb_table, "broken-remote")[k] == _break_item(items[k], how)
 
 
 def test_restore_from_a_missing_table(dynalite, daemon_factory):
