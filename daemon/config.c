@@ -352,6 +352,15 @@ static int check_string(size_t i, const char *v, const char *where, char *err, s
 		set_err(err, errsize, "%s: expected a value", where);
 		return -EINVAL;
 	}
+	/* What the file refuses, a flag refuses too: --check-config prints every setting as a
+	 * line of a file that reads back the same. */
+	for (const char *p = v; *p; p++) {
+		if ((unsigned char)*p < 0x20 || *p == 0x7f || *p == '"') {
+			set_err(err, errsize, "%s: control character or double quote in the value",
+			        where);
+			return -EINVAL;
+		}
+	}
 	if (strcmp(settings[i].key, "socket") == 0) {
 		struct sockaddr_un sa;
 		if (strlen(v) >= sizeof(sa.sun_path)) {
@@ -537,7 +546,7 @@ int config_parse_text(struct config *cfg, const char *name, const char *text, si
                       size_t errsize)
 {
 	unsigned seen[NSETTINGS];
-	char line[CONFIG_MAX_LINE_BYTES + 1];
+	static char line[CONFIG_MAX_LINE_BYTES + 2]; /* the loop thread's only */
 	size_t pos = 0;
 	unsigned lineno = 0;
 
@@ -547,11 +556,12 @@ int config_parse_text(struct config *cfg, const char *name, const char *text, si
 	while (pos < len) {
 		const char *nl = memchr(text + pos, '\n', len - pos);
 		size_t n = (nl ? (size_t)(nl - text) : len) - pos;
-		char *p, *key, *value, where[CONFIG_MAX_LINE_BYTES + 64];
+		char *p, *key, *value, where[4096 + 256];
 		int i, rc;
 
 		lineno++;
-		if (n > CONFIG_MAX_LINE_BYTES) {
+		/* The limit is the line's text: a CR before its LF is not counted. */
+		if (n - (n && text[pos + n - 1] == '\r') > CONFIG_MAX_LINE_BYTES) {
 			set_err(err, errsize, "%s:%u: line longer than %d bytes", name, lineno,
 			        CONFIG_MAX_LINE_BYTES);
 			return -EINVAL;
@@ -771,9 +781,7 @@ static int args_put(struct config_args *args, const struct setting *s, const cha
 			memcpy(v, f->value, a);
 			v[a] = ',';
 			memcpy(v + a + 1, value, b + 1);
-		} else if ((s->type == T_UIDS || s->type == T_GIDS) && !*value) {
-			return 0;
-		} else if (!(v = strdup(value))) {
+		} else if (!(v = strdup(value))) { /* an empty list flag empties the list */
 			return -ENOMEM;
 		}
 		free(f->value);
@@ -795,12 +803,24 @@ static int args_put(struct config_args *args, const struct setting *s, const cha
 	return 0;
 }
 
+/* Whether the option getopt_long just returned was written out in full: "--NAME" or
+ * "--NAME=...", in argv[optind - 1], or in the one before when its value was a word of
+ * its own. */
+static bool exact_option(char **argv, int optind_now, const char *arg, const char *name)
+{
+	const char *w = argv[optind_now - 1 - (arg && arg == argv[optind_now - 1])];
+	size_t n = strlen(name);
+
+	return w[0] == '-' && w[1] == '-' && strncmp(w + 2, name, n) == 0 &&
+	       (w[2 + n] == '\0' || w[2 + n] == '=');
+}
+
 int config_parse_args(struct config_args *args, int argc, char **argv, char *err, size_t errsize)
 {
 	struct option opts[2 * NSETTINGS + 5];
 	struct config scratch;
 	size_t n = 0;
-	int c, rc = 0;
+	int c, li, rc = 0;
 
 	memset(args, 0, sizeof(*args));
 	config_defaults(&scratch);
@@ -818,7 +838,17 @@ int config_parse_args(struct config_args *args, int argc, char **argv, char *err
 
 	opterr = 0;
 	optind = 1;
-	while ((c = getopt_long(argc, argv, ":", opts, NULL)) != -1) {
+	while ((li = -1, c = getopt_long(argc, argv, ":", opts, &li)) != -1) {
+		if (li >= 0 && !exact_option(argv, optind, optarg, opts[li].name)) {
+			/* getopt_long takes a prefix of one name for it ("--mem" for
+			 * --memory-only): not here, where a setting must be named in full. */
+			set_err(err, errsize,
+			        "unknown option '%s' (options are not abbreviated; see "
+			        "--help)",
+			        argv[optind - 1 - (optarg && optarg == argv[optind - 1])]);
+			rc = -EINVAL;
+			goto fail;
+		}
 		if (c >= 0 && (size_t)c < NSETTINGS) {
 			const struct setting *s = &settings[c];
 			const char *value = optarg;
@@ -1163,6 +1193,10 @@ unsigned config_reload(struct config *running, struct config *next)
 	}
 	log_msg_unlimited(LOG_INFO, "config", "reloaded: %u setting%s changed%s", changed,
 	                  changed == 1 ? "" : "s", kept ? ", some kept until a restart" : "");
+	/* The file this reload read (NULL: a -FILE that does not exist). */
+	free(running->file);
+	running->file = next->file;
+	next->file = NULL;
 	return bits;
 }
 
@@ -1236,5 +1270,6 @@ void config_usage(const char *prog)
 	printf("  %-36s%s\n", "--version", "the version");
 	printf(
 	    "A reload (SIGHUP) rereads the file and applies the flags again; socket, state-dir,\n"
-	    "durability, memory-only, dynamodb-table and create-table need a restart.\n");
+	    "durability, memory-only, dynamodb-table, create-table, connect-timeout-ms and\n"
+	    "request-timeout-ms need a restart. Options are not abbreviated.\n");
 }

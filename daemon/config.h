@@ -14,7 +14,7 @@
 #define CONFIG_ERR_SIZE 512
 #define CONFIG_MAX_SETTINGS 40
 #define CONFIG_MAX_FILE_BYTES (1024 * 1024)
-#define CONFIG_MAX_LINE_BYTES 4096
+#define CONFIG_MAX_LINE_BYTES 65536
 #define CONFIG_MAX_IDS 4096 /* entries of allow-uids or allow-gids */
 
 /* Where a setting's value came from. */

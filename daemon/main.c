@@ -5,8 +5,11 @@
 #include <signal.h>
 #include <stdio.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <stdlib.h>
+#include <fcntl.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <uv.h>
@@ -41,6 +44,7 @@ struct daemon {
 	bool draining; /* sink_close has been called with on_sink_closed */
 	int exit_code;
 	int listen_fd; /* passed by the service manager, until server_start owns it; or -1 */
+	int lock_fd;   /* STATE_DIR/convod.lock, locked for as long as the daemon runs; or -1 */
 };
 
 /* mkdir -p with mode 0750 for the parts it creates. 0 or -errno. */
@@ -215,8 +219,18 @@ static void on_sighup(uv_signal_t *h, int signum)
 	if (d->server.stopping)
 		return;
 	log_msg(LOG_INFO, "config", "SIGHUP: reloading %s",
-		d->args.config_path ? d->args.config_path : "the flags (no config file)");
-	if (config_load(&next, &d->args, err, sizeof(err)) < 0) {
+	        d->cfg.file           ? d->cfg.file
+	        : d->args.config_path ? d->args.config_path + 1 /* -FILE, absent */
+	                              : "the flags (no config file)");
+	if (d->cfg.file && d->args.config_path[0] == '-' && access(d->cfg.file, F_OK) != 0 &&
+	    errno == ENOENT) {
+		/* -FILE was read before and is gone now (renamed away while edited, say): a file
+		 * that cannot be read, not a return to the defaults, which would drop an
+		 * allow-list. */
+		log_msg(LOG_ERROR, "config", "%s: no such file; keeping the running settings",
+		        d->cfg.file);
+		config_defaults(&next);
+	} else if (config_load(&next, &d->args, err, sizeof(err)) < 0) {
 		log_msg(LOG_ERROR, "config", "%s; keeping the running settings", err);
 	} else {
 		unsigned changed = config_reload(&d->cfg, &next);
@@ -264,6 +278,50 @@ static bool table_named(const struct config *cfg)
 {
 	int i = config_setting_index("dynamodb-table");
 	return i >= 0 && cfg->source[i] != CONFIG_SRC_DEFAULT;
+}
+
+/* Takes STATE_DIR/convod.lock (flock, exclusive) for as long as the daemon runs: a second
+ * daemon on the same state directory would open the same store, take its write lock and
+ * fail every write of the first (or read a store the first is writing). The lock goes with
+ * the process, however it ends; the file keeps the pid of the last daemon that held it. */
+static int lock_state_dir(struct daemon *d)
+{
+	char path[4096], pid[32] = "";
+	int fd, n;
+
+	if ((size_t)snprintf(path, sizeof(path), "%s/convod.lock", d->cfg.state_dir) >=
+	    sizeof(path)) {
+		log_msg(LOG_ERROR, "main", "state directory path too long");
+		return -ENAMETOOLONG;
+	}
+	fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0640);
+	if (fd < 0) {
+		int e = errno;
+		log_msg(LOG_ERROR, "main", "cannot open %s: %s", path, strerror(e));
+		return -e;
+	}
+	if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
+		int e = errno;
+		if (e == EWOULDBLOCK) {
+			n = (int)pread(fd, pid, sizeof(pid) - 1, 0);
+			pid[n > 0 ? n : 0] = '\0';
+			pid[strcspn(pid, "\n")] = '\0';
+			log_msg(
+			    LOG_ERROR, "main",
+			    "state directory %s is in use by another convod%s%s%s; not starting",
+			    d->cfg.state_dir, pid[0] ? " (pid " : "", pid, pid[0] ? ")" : "");
+		} else {
+			log_msg(LOG_ERROR, "main", "cannot lock %s: %s", path, strerror(e));
+		}
+		close(fd);
+		return -e;
+	}
+	n = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
+	if (ftruncate(fd, 0) < 0 || pwrite(fd, pid, (size_t)n, 0) != n)
+		log_msg(LOG_WARN, "main", "cannot write the pid into %s: %s", path,
+		        strerror(errno));
+	d->lock_fd = fd;
+	return 0;
 }
 
 /* Opens the store and the sink; the embedded default when DynamoDB is not configured. */
@@ -331,7 +389,16 @@ int main(int argc, char **argv)
 {
 	static struct daemon d;
 	char err[CONFIG_ERR_SIZE];
+	sigset_t hup;
 	int rc;
+
+	d.lock_fd = -1;
+	/* A reload asked for while the daemon starts (SIGHUP's default action ends the process)
+	 * waits until the handler exists: blocked here, in every thread started from here on,
+	 * and unblocked on this thread once the handler is installed, which then runs it. */
+	sigemptyset(&hup);
+	sigaddset(&hup, SIGHUP);
+	pthread_sigmask(SIG_BLOCK, &hup, NULL);
 
 	/* jansson's allocation failures become `internal` answers, never a mangled value. */
 	ops_json_alloc_init(malloc, free);
@@ -362,8 +429,11 @@ int main(int argc, char **argv)
 	}
 	log_set_level(d.cfg.log_level);
 	log_set_format(d.cfg.log_format);
-	if (d.args.config_path)
-		log_msg(LOG_INFO, "config", "settings from %s", d.args.config_path);
+	if (d.cfg.file)
+		log_msg(LOG_INFO, "config", "settings from %s", d.cfg.file);
+	else if (d.args.config_path)
+		log_msg(LOG_INFO, "config", "%s does not exist: defaults and flags only",
+		        d.args.config_path + 1);
 	signal(SIGPIPE, SIG_IGN);
 	uv_loop_init(&d.loop);
 	/* Before any thread exists (it edits the environment); no-ops without systemd. */
@@ -376,6 +446,11 @@ int main(int argc, char **argv)
 	if (rc < 0) {
 		log_msg(LOG_ERROR, "main", "cannot create state directory %s: %s", d.cfg.state_dir,
 			strerror(-rc));
+		d.exit_code = 1;
+		goto out;
+	}
+	if ((!d.cfg.memory_only && lock_state_dir(&d) < 0) ||
+	    (d.listen_fd < 0 && server_check_path(&d.cfg) < 0)) {
 		d.exit_code = 1;
 		goto out;
 	}
@@ -413,6 +488,7 @@ int main(int argc, char **argv)
 	uv_signal_init(&d.loop, &d.sighup);
 	d.sighup.data = &d;
 	uv_signal_start(&d.sighup, on_sighup, SIGHUP);
+	pthread_sigmask(SIG_UNBLOCK, &hup, NULL);
 	uv_timer_init(&d.loop, &d.flush_timer);
 	d.flush_timer.data = &d;
 	uv_timer_start(&d.flush_timer, on_flush_timer, d.cfg.flush_interval_ms,
@@ -464,5 +540,7 @@ out:
 	ddbclient_global_cleanup();
 	config_free(&d.cfg);
 	config_args_free(&d.args);
+	if (d.lock_fd >= 0)
+		close(d.lock_fd);
 	return d.exit_code;
 }

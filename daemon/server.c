@@ -753,6 +753,8 @@ static size_t fd_conn_limit(size_t want)
 	                                           : (size_t)rl.rlim_cur / 2;
 	if (room < 1)
 		room = 1;
+	if (room >= want)
+		return want; /* short of the reserve, yet room enough for every connection */
 	log_msg(LOG_WARN, "server",
 	        "the open-file limit (%llu, hard %llu) leaves room for %zu connections: "
 	        "max-connections %zu cannot be reached; further clients are refused (raise "
@@ -962,20 +964,41 @@ static void on_connection(uv_stream_t *ls, int status)
 	conn_read_start(c);
 }
 
-/* Replaces a stale socket file; refuses a live socket or a file that is not a socket. */
-static int prepare_socket_path(const char *path)
+/* The socket's directory must exist: uv_pipe_bind reports a missing one as EACCES. */
+static int socket_dir_check(const char *path)
 {
+	const char *slash = strrchr(path, '/');
+	char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
 	struct stat st;
+
+	if (!slash)
+		return 0; /* the working directory */
+	if (slash == path)
+		return 0; /* "/" */
+	if ((size_t)(slash - path) >= sizeof(dir))
+		return -ENAMETOOLONG;
+	memcpy(dir, path, (size_t)(slash - path));
+	dir[slash - path] = '\0';
+	if (stat(dir, &st) < 0) {
+		int e = errno;
+		log_msg(LOG_ERROR, "server", "cannot use %s: its directory %s: %s", path, dir,
+		        strerror(e));
+		return -e;
+	}
+	if (!S_ISDIR(st.st_mode)) {
+		log_msg(LOG_ERROR, "server", "cannot use %s: %s is not a directory", path, dir);
+		return -ENOTDIR;
+	}
+	return 0;
+}
+
+/* Whether another daemon accepts connections on the socket file at path: 1, 0, or -errno
+ * when that cannot be told (no socket to try it with). */
+static int socket_live(const char *path)
+{
 	struct sockaddr_un sa;
 	int fd, rc;
 
-	if (lstat(path, &st) < 0)
-		return errno == ENOENT ? 0 : -errno;
-	if (!S_ISSOCK(st.st_mode)) {
-		log_msg(LOG_ERROR, "server", "%s exists and is not a socket; not replacing it",
-		        path);
-		return -EEXIST;
-	}
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return -ENAMETOOLONG;
 	memset(&sa, 0, sizeof(sa));
@@ -986,7 +1009,49 @@ static int prepare_socket_path(const char *path)
 		return -errno;
 	rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
 	close(fd);
-	if (rc == 0) {
+	return rc == 0;
+}
+
+int server_check_path(const struct config *cfg)
+{
+	const char *path = cfg->socket_path;
+	struct stat st;
+	int rc = socket_dir_check(path);
+
+	if (rc < 0)
+		return rc;
+	if (lstat(path, &st) < 0)
+		return 0;
+	if (!S_ISSOCK(st.st_mode)) {
+		log_msg(LOG_ERROR, "server", "%s exists and is not a socket; not replacing it",
+		        path);
+		return -EEXIST;
+	}
+	if ((rc = socket_live(path)) == 1) {
+		log_msg(LOG_ERROR, "server", "another daemon is listening on %s", path);
+		return -EADDRINUSE;
+	}
+	return rc < 0 ? rc : 0;
+}
+
+/* Replaces a stale socket file; refuses a live socket or a file that is not a socket. */
+static int prepare_socket_path(const char *path)
+{
+	struct stat st;
+	int rc;
+
+	if ((rc = socket_dir_check(path)) < 0)
+		return rc;
+	if (lstat(path, &st) < 0)
+		return errno == ENOENT ? 0 : -errno;
+	if (!S_ISSOCK(st.st_mode)) {
+		log_msg(LOG_ERROR, "server", "%s exists and is not a socket; not replacing it",
+		        path);
+		return -EEXIST;
+	}
+	if ((rc = socket_live(path)) < 0)
+		return rc;
+	if (rc == 1) {
 		log_msg(LOG_ERROR, "server", "another daemon is listening on %s", path);
 		return -EADDRINUSE;
 	}

@@ -46,6 +46,12 @@ struct server {
  * LISTEN_FDS is unreadable). */
 int server_take_activation(int *fd);
 
+/* Before the store is opened (a restore may take a while), what would make binding
+ * cfg->socket_path fail for sure: its directory missing or not a directory, a file there that
+ * is not a socket, another daemon listening on it. Changes nothing. 0 or -errno, after
+ * logging why. */
+int server_check_path(const struct config *cfg);
+
 /* Starts accepting. listen_fd >= 0: a socket from server_take_activation, owned by the
  * server from now on (closed on failure too); the socket file is the service manager's and
  * is never created, chmod-ed nor removed. listen_fd -1: binds cfg->socket_path (mode 0660

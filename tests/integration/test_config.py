@@ -13,7 +13,7 @@ import time
 import pytest
 
 import ddb
-from conftest import CONVOD, ROOT, Conn, Daemon
+from conftest import CONVOD, ROOT, Conn, Daemon, scaled
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEYsecret"
 TOKEN = "FwoGZXIvYXdzEXAMPLESESSIONTOKENvalue"
@@ -537,3 +537,126 @@ def test_optional_config_file_may_be_missing(tmp_path):
     p = subprocess.run([CONVOD, "--config", str(missing), "--check-config"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
+
+
+def test_optional_file_gone_at_reload_keeps_the_running_settings(daemon_factory, tmpdir_path):
+    """--config -FILE (the shipped unit's form) read at start, then renamed away (an editor,
+    a configuration tool) before a reload: that is a file that cannot be read, and changes
+    nothing. It used to be "no file", and every setting went back to its default, the
+    allow-list included, without a warning."""
+    conf = os.path.join(tmpdir_path, "convod.conf")
+    write(conf, "max-messages = 3\nallow-uids = 0, 4242\n")
+    d = daemon_factory(["--config", "-" + conf])
+    assert "config: settings from %s\n" % conf in d.log(), d.log()
+    c = d.connect()
+    fill(c, "k", 3)
+    c.err({"op": next_role(3), "conversation": "k", "contents": "x"}, "too_large")
+    os.rename(conf, conf + ".bak")
+    d.signal(signal.SIGHUP)
+    log = wait_log(d, r"no such file; keeping the running settings")
+    assert "error config: %s: no such file; keeping the running settings" % conf in log, log
+    assert "allow-uids" not in log and "max-messages 3" not in log, log
+    c.err({"op": next_role(3), "conversation": "k", "contents": "x"}, "too_large")
+    # Back, changed: applied, and the reload after that reads it again.
+    write(conf, "max-messages = 4\nallow-uids = 0, 4242\n")
+    d.signal(signal.SIGHUP)
+    wait_log(d, r"config: max-messages 3 -> 4")
+    c.ok({"op": next_role(3), "conversation": "k", "contents": "x"})
+    # A -FILE absent from the start is no error at a reload either: defaults and flags.
+    e = daemon_factory(["--config", "-" + conf + ".none", "--max-messages", "2"])
+    assert "%s.none does not exist: defaults and flags only" % conf in e.log(), e.log()
+    assert "-/" not in e.log(), e.log()
+    e.signal(signal.SIGHUP)
+    wait_log(e, r"reloaded: 0 settings changed")
+    assert "keeping the running settings" not in e.log(), e.log()
+
+
+def test_sighup_while_starting_is_a_reload(daemon_factory, tmpdir_path):
+    """A SIGHUP sent while the daemon restores its store (systemctl reload, a log rotation
+    hook) used to end it: its handler was installed only once it listened. The signal is
+    now blocked from the start of main and runs as a reload once the daemon is ready."""
+    conf = os.path.join(tmpdir_path, "convod.conf")
+    write(conf, "max-messages = 10\n")
+    d = daemon_factory(["--config", conf])
+    c = d.connect()
+    n = 30000  # conversations: a restore long enough to signal in
+    c.send_raw(b"".join(b'{"op":"add_user","conversation":"c%d","contents":"x"}\n' % i
+                        for i in range(n)))
+    for _ in range(n):
+        assert c.recv()["ok"]
+    assert d.stop() == 0
+    before = len(d.log())  # the log file goes on from the first start
+    d.start(wait=False)
+    deadline = time.time() + scaled(20)
+    while "settings from" not in d.log()[before:]:  # the file read
+        assert time.time() < deadline and d.proc.poll() is None, d.log()
+        time.sleep(0.001)
+    write(conf, "max-messages = 20\n")
+    d.signal(signal.SIGHUP)
+    early = d.log()[before:]
+    d.wait_ready()
+    assert " ready " not in early, "the signal came after the start: %s" % early
+    log = wait_log(d, r"config: max-messages 10 -> 20")[before:]
+    assert log.index(" ready ") < log.index("SIGHUP: reloading"), log
+    c = d.connect()
+    fill(c, "fresh", 20)
+    c.err({"op": next_role(20), "conversation": "fresh", "contents": "x"}, "too_large")
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--allow-uid", "0", "--allow-uid", ""], ""),
+    (["--allow-uid", "0", "--allow-uid", "", "--allow-uid", "5"], "5"),
+    (["--allow-uid", "0", "--allow-uid", "7"], "0,7"),
+])
+def test_an_empty_list_flag_empties_the_list(tmpdir_path, flags, want):
+    """convod.conf(5): repeated --allow-uid/--allow-gid flags add up, "an empty one empties
+    the list", wherever it comes (an empty one after another was ignored), over the file
+    too."""
+    conf = os.path.join(tmpdir_path, "convod.conf")
+    write(conf, "allow-uids = 3\nallow-gids = 3\n")
+    for key in ("uid", "gid"):
+        args = [f.replace("uid", key) for f in flags]
+        rc, out, err = run_convod(["--config", conf, "--check-config"] + args)
+        assert rc == 0, err
+        assert parse_report(out)["allow-%ss" % key] == (want, "flag"), out
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--state-dir", '/srv/a"b'), ("--state-dir", "/srv/a\nb"), ("--socket", "/tmp/x\x01y"),
+    ("--dynamodb-table", "tab\x7f"),
+])
+def test_flags_refuse_what_the_file_refuses(flag, value):
+    """The file refuses a control character or an inner double quote in a value; a flag took
+    them, and --check-config then printed a line that no file could hold."""
+    rc, out, err = run_convod(["--check-config", flag, value])
+    assert rc == 2 and "%s: control character or double quote in the value" % flag in err, err
+
+
+def test_check_config_long_lists_read_back(tmpdir_path):
+    """--check-config's setting lines are a valid file: an allow-list of 4096 ids (the most
+    it takes) is one line of about 45 kB, over the old 4096-byte line limit."""
+    ids = ",".join(str(1000000 + i) for i in range(4096))
+    rc, out, err = run_convod(["--check-config", "--allow-uid", ids, "--allow-gid", ids])
+    assert rc == 0, err
+    conf = os.path.join(tmpdir_path, "report.conf")
+    write(conf, "".join(line + "\n" for line in out.splitlines() if not line.startswith("#")))
+    rc, out2, err = run_convod(["--config", conf, "--check-config"])
+    assert rc == 0, err
+    first = {k: v[0] for k, v in parse_report(out).items()}
+    again = {k: v[0] for k, v in parse_report(out2).items()}
+    assert first == again and len(first["allow-uids"]) == 4096 * 8 - 1
+
+
+@pytest.mark.parametrize("end", ["\n", "\r\n"])
+def test_line_limit_does_not_count_the_cr(tmpdir_path, end):
+    """Lines of at most 65536 bytes, LF or CRLF: the CR is not part of the line."""
+    conf = os.path.join(tmpdir_path, "convod.conf")
+    with open(conf, "w", newline="") as f:
+        f.write("#" + "x" * 65535 + end + "max-messages = 9" + end)
+    rc, out, err = run_convod(["--config", conf, "--check-config"])
+    assert rc == 0, err
+    assert parse_report(out)["max-messages"] == ("9", "file (line 2)")
+    with open(conf, "w", newline="") as f:
+        f.write("#" + "x" * 65536 + end)
+    rc, out, err = run_convod(["--config", conf, "--check-config"])
+    assert rc == 2 and ":1: line longer than 65536 bytes" in err, err

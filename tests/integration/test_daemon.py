@@ -170,6 +170,63 @@ def test_file_at_the_socket_path_not_replaced(daemon_factory):
         assert f.read() == "not a socket\n"
 
 
+def test_second_daemon_on_the_same_state_dir_refused(daemon_factory):
+    """Two daemons on one state directory would share one store: the second took its write
+    lock, and every write of the first failed from then on. Now the second exits 1 with a
+    message naming the first before it reads anything, the first goes on writing, and once
+    the first stopped (or was killed) the state directory is free again."""
+    d1 = daemon_factory()
+    c = d1.connect()
+    c.ok({"op": "add_user", "conversation": "one", "contents": "first"})
+    for same_socket in (False, True):
+        d2 = daemon_factory(start=False)
+        d2.state_dir = d1.state_dir
+        if same_socket:
+            d2.socket = d1.socket
+        assert start_fails(d2, "a second convod on the same state dir did not exit") == 1
+        assert "state directory %s is in use by another convod (pid %d)" % (
+            d1.state_dir, d1.proc.pid) in d2.log(), d2.log()
+        assert "restored" not in d2.log(), d2.log()  # refused before the store was read
+        c.ok({"op": "add_user" if same_socket else "add_assistant", "conversation": "one",
+              "contents": "still %s" % same_socket})
+    assert os.path.exists(d1.socket)
+    # Killed, the first leaves the lock behind it free: a start on its directory works.
+    d1.stop(signal.SIGKILL)
+    d3 = daemon_factory(start=False)
+    d3.state_dir = d1.state_dir
+    d3.start()
+    log = d3.connect().ok({"op": "to_messages_map", "conversation": "one",
+                           "incremental": False})["messages"]
+    assert [m["message"]["contents"] for m in log] == [["first"], ["still False"],
+                                                       ["still True"]], log
+    with open(os.path.join(d1.state_dir, "convod.lock")) as f:
+        assert f.read() == "%d\n" % d3.proc.pid
+
+
+def test_socket_directory_missing_named_before_the_store(daemon_factory):
+    """--socket in a directory that does not exist: the start stops with a message naming
+    the directory and the cause (libuv's bind says "permission denied"), and before the
+    store is opened (a restore may take long)."""
+    d = daemon_factory(start=False)
+    d.socket = os.path.join(d.dir, "no-such-dir", "s.sock")
+    assert start_fails(d, "convod started with its socket's directory missing") == 1
+    assert "its directory %s: No such file or directory" % os.path.dirname(d.socket) in d.log()
+    assert "permission denied" not in d.log(), d.log()
+    assert not os.path.exists(os.path.join(d.state_dir, "convod.db")), d.log()
+
+
+@pytest.mark.parametrize("args", [["--mem"], ["--sock", "/tmp/x.sock"], ["--max-mess", "7"],
+                                  ["--max-messages=7", "--durab=none"], ["--ver"]])
+def test_abbreviated_options_refused(args):
+    """getopt_long takes any unambiguous prefix of an option's name; convod's options are
+    written in full (--mem set --memory-only)."""
+    rc, out, err = run_cli(args)
+    assert rc == 2 and "not abbreviated" in err, (rc, err)
+    wrong = [a for a in args if a.startswith("--") and a.split("=")[0] not in
+             ("--max-messages",)][0]
+    assert "'%s" % wrong in err, err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_answers_what_was_sent_then_exits(daemon_factory, sig):
     d = daemon_factory()

@@ -695,6 +695,18 @@ def test_open_file_limit_lowers_the_connection_limit(daemon_factory):
         c.close()
 
 
+def test_open_file_limit_with_room_for_max_connections_says_nothing(daemon_factory):
+    """An open-file limit short of max-connections + 64, yet with room for every connection
+    (64: room for 32): no warning (it said "max-connections 8 cannot be reached"), and the
+    limit is max-connections itself."""
+    d = daemon_factory(["--max-connections", "8"], nofile=64)
+    assert "open-file limit" not in d.log(), d.log()
+    served, refused = connect_many(d, 10, "too many connections (limit 8)")
+    assert 7 <= len(served) <= 8 and len(served) + len(refused) == 10, (len(served), len(refused))
+    for c in served:
+        c.close()
+
+
 @pytest.mark.skipif(VALGRIND, reason="valgrind keeps descriptors of its own at the top of the limit")
 def test_open_file_limit_lowered_while_running(daemon_factory):
     """The open-file limit lowered under a running daemon (prlimit): the connection limit it
