@@ -987,6 +987,12 @@ int dispatch_restore(struct dispatch *d)
 	}
 	log_msg(LOG_INFO, "store", "restored %zu conversations; %llu writes pending", d->reg.count,
 	        (unsigned long long)items);
+	if (d->reg.count > d->cfg->max_conversations)
+		log_msg(
+		    LOG_WARN, "store",
+		    "%zu open conversations restored, more than max-conversations %llu: all are "
+		    "served, and no new one is created until close brings them under it",
+		    d->reg.count, (unsigned long long)d->cfg->max_conversations);
 	return 0;
 }
 

@@ -222,6 +222,18 @@ static void vlog(enum log_level level, const char *subsystem, bool limited, cons
 	write_line(level, subsystem, msg);
 }
 
+void log_flush_suppressed(void)
+{
+	pthread_mutex_lock(&slots_mu);
+	for (size_t i = 0; i < RATE_SLOTS; i++) {
+		struct rate_slot *r = &slots[i];
+		if (r->used && r->suppressed && r->level >= min_level)
+			write_suppressed(r);
+		r->suppressed = 0;
+	}
+	pthread_mutex_unlock(&slots_mu);
+}
+
 void log_msg(enum log_level level, const char *subsystem, const char *fmt, ...)
 {
 	va_list ap;

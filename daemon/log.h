@@ -48,5 +48,8 @@ void log_msg_unlimited(enum log_level level, const char *subsystem, const char *
 /* Tests: replaces the monotonic millisecond clock of the rate limiter (NULL restores it)
  * and forgets every rate-limit window. */
 void log_set_clock(uint64_t (*now_ms)(void));
+/* Writes the "(suppressed N similar messages)" line of every message whose repeats the rate
+ * limit is holding back (at the stop: they would be lost). */
+void log_flush_suppressed(void);
 
 #endif

@@ -512,6 +512,7 @@ int main(int argc, char **argv)
 	}
 
 	uv_run(&d.loop, UV_RUN_DEFAULT);
+	log_flush_suppressed();
 	log_msg(LOG_INFO, "main", "stopped");
 out:
 	if (d.listen_fd >= 0)

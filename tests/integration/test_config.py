@@ -660,3 +660,24 @@ def test_line_limit_does_not_count_the_cr(tmpdir_path, end):
         f.write("#" + "x" * 65536 + end)
     rc, out, err = run_convod(["--config", conf, "--check-config"])
     assert rc == 2 and ":1: line longer than 65536 bytes" in err, err
+
+
+def test_suppressed_count_written_at_the_stop_reload_report_never_suppressed(daemon_factory,
+                                                                             tmpdir_path):
+    """15 reloads within 10 s: "SIGHUP: reloading" is written 10 times, the 5 repeats held
+    back are counted at the stop (they were lost), and every reload's report of what it
+    changed is there, unlimited (a setting change is never dropped from the log)."""
+    conf = os.path.join(tmpdir_path, "convod.conf")
+    write(conf, "max-messages = 1000\n")
+    d = daemon_factory(["--config", conf])
+    for i in range(15):
+        write(conf, "max-messages = %d\n" % (1001 + i))
+        d.signal(signal.SIGHUP)
+        wait_log(d, r"reloaded: 1 setting changed", count=i + 1)
+    assert d.stop() == 0
+    log = d.log()
+    assert log.count("SIGHUP: reloading") == 10, log
+    assert log.count("reloaded: 1 setting changed") == 15, log
+    assert "config: max-messages 1014 -> 1015" in log, log
+    assert re.search(r"info config: \(suppressed 5 similar messages\)\ninfo main: stopped\n$",
+                     log), log[-2000:]

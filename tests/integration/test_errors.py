@@ -598,6 +598,26 @@ def test_unavailable_max_conversations(daemon_factory):
     expect(c, {"op": "add_user", "conversation": "e", "contents": "x"}, "unavailable")
 
 
+def test_restart_under_a_lower_max_conversations(daemon_factory):
+    """A start restores every open conversation of the store, more than a lowered
+    --max-conversations included, and says so; the limit then holds back new ones (and
+    closed ones brought back) until close brings the count under it."""
+    d = daemon_factory(["--max-conversations", "10"])
+    c = d.connect()
+    for cid in ("a", "b", "c", "d", "e"):
+        c.ok({"op": "add_user", "conversation": cid, "contents": "x"})
+    c.ok({"op": "close", "conversation": "e"})
+    assert d.stop() == 0
+    d.args = ["--max-conversations", "2"]
+    d.start()
+    assert "4 open conversations restored, more than max-conversations 2" in d.log(), d.log()
+    c = d.connect()
+    assert c.ok({"op": "stats"})["conversations"] == 4
+    c.ok({"op": "add_assistant", "conversation": "a", "contents": "y"})
+    expect(c, {"op": "add_user", "conversation": "new", "contents": "x"}, "unavailable")
+    expect(c, {"op": "get_messages", "conversation": "e"}, "unavailable")
+
+
 def test_unavailable_max_connections(daemon_factory):
     d = daemon_factory(["--max-connections", "2"])
     c1 = d.connect()
