@@ -75,7 +75,9 @@ bool message_json_whole(const json_t *v, int64_t lo, int64_t hi, int64_t *out)
 		n = json_integer_value(v);
 	} else if (json_is_real(v)) {
 		double d = json_real_value(v);
-		if (!(d >= -9007199254740992.0 && d <= 9007199254740992.0) ||
+		/* Below 2^53: a real of 2^53 may have been written 2^53 + 1, which a double
+		 * cannot hold (9007199254740993.0 reads as 2^53). */
+		if (!(d > -9007199254740992.0 && d < 9007199254740992.0) ||
 		    d != (double)(int64_t)d)
 			return false;
 		n = (int64_t)d;

@@ -73,8 +73,8 @@ static inline int64_t message_timing(const struct message *m, enum timing_key k)
 int message_set_timing(struct message *m, enum timing_key k, int64_t v);
 
 /* The whole number v holds, in *out, when it is one from lo to hi: an integer, or a real
- * without a fraction (1000.0, 1e3; JSON does not tell them apart) up to 2^53 in magnitude,
- * past which a double no longer holds every integer the text may have written. */
+ * without a fraction (1000.0, 1e3; JSON does not tell them apart) below 2^53 in magnitude,
+ * from which on a double no longer holds every integer the text may have written. */
 bool message_json_whole(const json_t *v, int64_t lo, int64_t hi, int64_t *out);
 
 /* All of m's timing keys into out, and back: message_restore_timing never allocates, and

@@ -646,22 +646,24 @@ def test_aux_reals_dynamodb_cannot_hold(conn):
 
 def test_whole_numbers_written_as_reals(conn):
     """JSON does not tell 1000 from 1000.0 (nor does the schemas' "integer"): an integer
-    field takes a real without a fraction, up to 2^53, and keeps it as the integer; a
-    fraction, or a real past 2^53 (whose digits a double may have lost), is bad_request."""
+    field takes a real without a fraction, below 2^53, and keeps it as the integer; a
+    fraction, or a real of 2^53 or more (whose digits a double may have lost:
+    9007199254740993.0 reads as 2^53), is bad_request."""
     c = conn
     c.send_raw(b'{"id":1,"op":"add_user","conversation":"whole","contents":"a",'
                    b'"metadata":{"timing":{"playStart":1000.0,"playEnd":1e3,'
-                   b'"llmStart":9007199254740992.0,"llmEnd":0.0}}}\n')
+                   b'"llmStart":9007199254740991.0,"llmEnd":0.0}}}\n')
     r = json.loads(c.recv_line())
     assert r["ok"] is True, r
     timing = r["result"]["message"]["metadata"]["timing"]
     assert timing["playStart"] == 1000 and timing["playEnd"] == 1000, timing
-    assert timing["llmStart"] == 2 ** 53 and timing["llmEnd"] == 0, timing
+    assert timing["llmStart"] == 2 ** 53 - 1 and timing["llmEnd"] == 0, timing
     c.send_raw(b'{"id":2,"op":"get_messages","conversation":"whole"}\n')
     raw = c.recv_line()
     assert b'"playStart":1000,' in raw and b"1000.0" not in raw and b"1e3" not in raw, raw
     before = full_log(c, "whole")
-    for value in (b"1000.5", b"9007199254740994.0", b"-1.0", b"1e300", b"-0.5"):
+    for value in (b"1000.5", b"9007199254740992.0", b"9007199254740993.0",
+                  b"9007199254740994.0", b"-1.0", b"1e300", b"-0.5"):
         c.send_raw(b'{"id":3,"op":"add_user","conversation":"whole","contents":"b",'
                    b'"metadata":{"timing":{"playStart":' + value + b'}}}\n')
         r = json.loads(c.recv_line())
