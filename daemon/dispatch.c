@@ -33,6 +33,7 @@ enum {
 	FLAG_CLOSING = 1u << 2,     /* closed: dropped from memory once the sink confirmed all */
 	FLAG_FROM_REMOTE = 1u << 3, /* restored from DynamoDB: stored as confirmed there */
 	FLAG_MARKS_DIRTY = 1u << 5, /* on d->marks_dirty: the client's marks moved since stored */
+	FLAG_DATA_DIRTY = 1u << 6,  /* a change a read shows, for the open transaction */
 	/* Its conversations row is committed and open: a turn writes only its messages (the
 	 * row's updated time may lag; loading takes the newest of the messages' own). Saves a
 	 * page of the conversations table per conversation and turn. */
@@ -110,6 +111,8 @@ static void mark_store_dirty(struct dispatch *d, struct convo *c)
 {
 	d->changed = true;
 	mark_row_reopen(d, c);
+	if (d->store)
+		c->daemon_flags |= FLAG_DATA_DIRTY;
 }
 
 static void mark_sink_dirty(struct dispatch *d, struct convo *c)
@@ -395,7 +398,7 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 		int rc;
 
 		next = c->daemon_next_store;
-		c->daemon_flags &= ~(unsigned int)FLAG_STORE_DIRTY;
+		c->daemon_flags &= ~(unsigned int)(FLAG_STORE_DIRTY | FLAG_DATA_DIRTY);
 		c->daemon_next_store = NULL;
 		rc = store_load_conversation(d->store, c->id, c->id_len, &fresh);
 		if (rc < 0) {
@@ -653,12 +656,16 @@ enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
 	for (size_t i = 0; i < d->nspooled; i++)
 		if (!d->spooled[i].seq)
 			d->spooled[i].seq = seq;
-	for (c = d->store_dirty; c; c = c->daemon_next_store)
+	for (c = d->store_dirty; c; c = c->daemon_next_store) {
 		c->daemon_store_seq = seq;
+		if (c->daemon_flags & FLAG_DATA_DIRTY)
+			c->daemon_data_seq = seq;
+	}
 	for (c = d->store_dirty, d->store_dirty = NULL; c; c = next) {
 		next = c->daemon_next_store;
 		c->daemon_next_store = NULL;
-		c->daemon_flags &= ~(unsigned int)(FLAG_STORE_DIRTY | FLAG_FROM_REMOTE);
+		c->daemon_flags &=
+		    ~(unsigned int)(FLAG_STORE_DIRTY | FLAG_DATA_DIRTY | FLAG_FROM_REMOTE);
 		if (c->daemon_flags & FLAG_CLOSING) {
 			c->daemon_flags &= ~(unsigned int)FLAG_ROW_OPEN;
 			closing_add(d, c, seq);
@@ -1002,6 +1009,17 @@ static void mark_answer(struct dispatch *d)
 {
 	if (d->store && d->cfg->durability != DURABILITY_NONE)
 		d->answer_dependent = true;
+}
+
+/* An ok read of c shows it as memory holds it: a change not yet written (this turn's, or
+ * in a transaction submitted and not yet written) is undone if its commit fails, and so
+ * must be the answer that showed it (protocol.md: a failed commit replaces the ok answers
+ * of its turn). It used to go out, showing what the store then did not hold. A row only
+ * written open again (a closed conversation read) is no change a read shows. */
+static void mark_read(struct dispatch *d, const struct convo *c)
+{
+	if (c && ((c->daemon_flags & FLAG_DATA_DIRTY) || c->daemon_data_seq > d->committed))
+		mark_answer(d);
 }
 
 /* A request's id as its answer echoes it: its text as the request wrote it (raw), or
@@ -1741,6 +1759,7 @@ static bool fast_read(struct dispatch *d, const struct fast_req *f, struct buf *
 		}
 		if (c->client_takes != takes)
 			mark_marks_dirty(d, c, from);
+		mark_read(d, c);
 	}
 	*res = DISPATCH_DONE;
 	return true;
@@ -2194,6 +2213,10 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		goto ok;
 	case OP_LIST:
 		result = list_result(d);
+		/* It may show a conversation created (or a count changed) by a change not yet
+		 * written: then it stands or falls with that commit, like a read of it. */
+		if (d->changed || d->store_dirty || d->submitted > d->committed)
+			mark_answer(d);
 		goto ok;
 	case OP_FLUSH:
 		if (!cid) {
@@ -2283,6 +2306,8 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 			mark_store_dirty(d, c);
 			mark_sink_changed(d, c);
 			mark_answer(d);
+		} else {
+			mark_read(d, c);
 		}
 	}
 	json_decref(req);

@@ -43,6 +43,8 @@ struct convo {
 	struct convo *daemon_next_marks, *daemon_prev_marks;
 	size_t daemon_marks_from;  /* the client's marks may have moved from this index on */
 	uint64_t daemon_store_seq; /* the last store transaction that wrote it */
+	uint64_t daemon_data_seq;  /* the last that wrote a change of what a read shows (the
+	                            * other may only have written its row open again) */
 	int64_t daemon_changed_mono_ms; /* mono_ns / 1e6 at the daemon's last change of it, 0
 	                                 * before one (the sink's idle rule, over clock steps) */
 };

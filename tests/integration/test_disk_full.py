@@ -5,6 +5,7 @@ space returns (persistence.md: acknowledged means stored; nothing half written).
 Needs root to mount a small tmpfs for the state directory; skipped otherwise."""
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import tempfile
@@ -107,6 +108,54 @@ def test_disk_full_answers_unavailable_and_recovers(daemon_factory, small_fs, du
     texts = [t for m in log["messages"] for t in m["message"]["contents"]]
     assert "before" in texts and "after" in texts
     assert not any(t.startswith("x%d " % i) for t in texts)
+
+
+@pytest.mark.parametrize("durability", ["process", "machine"])
+def test_disk_full_reads_of_a_refused_change_are_refused_too(daemon_factory, small_fs,
+                                                             durability):
+    """Reads in the turn of a change whose commit fails (on its connection and on another),
+    and a list that would show a conversation it created, showed the change: ok answers of
+    what memory held, while the change was answered unavailable and undone. A failed commit
+    replaces the ok answers of its turn (protocol.md), reads of what it changed included;
+    reads of what it did not change stand."""
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--durability", durability])
+    a, b = d.connect(), d.connect()
+    a.ok({"op": "add_user", "conversation": "full", "contents": "before"})
+    a.ok({"op": "add_user", "conversation": "other", "contents": "untouched"})
+    filler = fill(small_fs)
+    for i in range(40):
+        role = "assistant" if i % 2 == 0 else "user"
+        tag = "x%d " % i
+        d.signal(signal.SIGSTOP)  # one loop turn for all of them
+        a.send_raw((json.dumps({"id": "w", "op": "add_message", "conversation": "full",
+                                "role": role, "contents": tag + "y" * 20000}) + "\n" +
+                    json.dumps({"id": "r", "op": "get_messages", "conversation": "full"}) +
+                    "\n" + json.dumps({"id": "n", "op": "add_user", "conversation": "new%d" % i,
+                                       "contents": "z" * 20000}) + "\n" +
+                    json.dumps({"id": "l", "op": "list"}) + "\n").encode())
+        b.send_raw((json.dumps({"id": "rb", "op": "to_messages_map", "conversation": "full",
+                                "incremental": False}) + "\n" +
+                    json.dumps({"id": "o", "op": "get_messages", "conversation": "other"}) +
+                    "\n").encode())
+        d.signal(signal.SIGCONT)
+        w, r, n, l = (a.recv() for _ in range(4))
+        rb, o = b.recv(), b.recv()
+        if w["ok"]:
+            continue
+        assert w["error"]["code"] == "unavailable" and not n["ok"], (w, n)
+        for answer in (r, rb, l):
+            assert not answer["ok"] and answer["error"]["code"] == "unavailable", answer
+            assert tag not in json.dumps(answer)
+        assert o["ok"] and "untouched" in json.dumps(o), o
+        later = d.connect().ok({"op": "get_messages", "conversation": "full"})
+        assert tag not in json.dumps(later), later
+        break
+    else:
+        pytest.fail("a full disk must refuse some change")
+    os.unlink(filler)
+    r = a.request({"op": "get_messages", "conversation": "full"})
+    assert r["ok"], r
 
 
 def test_disk_full_new_conversation_is_not_created(daemon_factory, small_fs):
