@@ -1298,6 +1298,35 @@ void dispatch_cancel_wait(struct dispatch *d, void *waiter)
 				r->waiters[i] = NULL;
 }
 
+size_t dispatch_stop_waiting(struct dispatch *d)
+{
+	size_t n = 0;
+
+	d->lookups_off = true;
+	/* A waiter called back goes on with its connection's later lines, which may join a
+	 * wait no more (lookups_off) but may end one (a restore of its own conversation): the
+	 * walk starts over after each call. */
+	for (bool again = true; again;) {
+		again = false;
+		for (struct restore_wait *r = d->restores; r && !again; r = r->next) {
+			if (r == d->retry_wait)
+				continue;
+			for (size_t i = 0; i < r->nwaiters; i++) {
+				void *w = r->waiters[i];
+				if (!w)
+					continue;
+				r->waiters[i] = NULL;
+				n++;
+				if (d->on_ready)
+					d->on_ready(w, DISPATCH_REMOTE_FAILED);
+				again = true;
+				break;
+			}
+		}
+	}
+	return n;
+}
+
 /* A wait is over: unlink it, call every waiter still there back, free it. */
 static void restore_finish(struct restore_wait *r, enum dispatch_remote outcome)
 {
@@ -1609,7 +1638,7 @@ static enum find_result find_convo(struct dispatch *d, enum op op, const char *c
 		}
 	}
 	if (!c && d->remote && remote == DISPATCH_REMOTE_CHECK && waiter) {
-		if (restore_start(d, cid, cid_len, waiter) == 0)
+		if (!d->lookups_off && restore_start(d, cid, cid_len, waiter) == 0)
 			return FIND_WAIT;
 		remote = DISPATCH_REMOTE_FAILED;
 	}

@@ -114,6 +114,7 @@ struct dispatch {
 	void (*retry_soon)(void *arg);
 	void *retry_soon_arg;
 	struct restore_wait *retry_wait; /* the move under way (its waiters), or NULL */
+	bool lookups_off; /* dispatch_stop_waiting was called: DynamoDB is not asked any more */
 	int64_t retry_upto;              /* its last dead letter's seq (-1 until the first part) */
 	size_t retry_moved, retry_parts; /* by the move under way so far */
 	size_t retry_pauses, retry_waits; /* its waits for the checkpoint thread: all, in a row */
@@ -180,6 +181,11 @@ void dispatch_retry_stop(struct dispatch *d);
 
 /* The waiter went away (its connection closed): it is not called back. */
 void dispatch_cancel_wait(struct dispatch *d, void *waiter);
+/* The stop's deadline came with requests still waiting for DynamoDB (a lookup, create_table;
+ * not a retry_dead_letters move): each waiter is called back now as if DynamoDB had failed,
+ * and later requests do not look it up either. The lookups themselves end with the sink.
+ * Returns how many waiters were called back. */
+size_t dispatch_stop_waiting(struct dispatch *d);
 
 /* Answers a line that went over --max-line-bytes: DISPATCH_DONE, or DISPATCH_LOST when out
  * had no room for the answer. */

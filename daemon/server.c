@@ -19,6 +19,7 @@
 
 #define READ_CHUNK 65536
 #define STOP_DEADLINE_MS 10000
+#define STOP_GRACE_MS 1000    /* after it, for the answers of requests that waited for DynamoDB */
 #define LISTEN_FDS_START 3    /* SD_LISTEN_FDS_START: the first passed socket */
 #define PEER_GROUPS_MAX 65536 /* NGROUPS_MAX on Linux */
 
@@ -1308,6 +1309,24 @@ static void server_maybe_stopped(struct server *s)
 static void on_deadline(uv_timer_t *t)
 {
 	struct server *s = t->data;
+	size_t n;
+
+	/* Requests still waiting for DynamoDB (a lookup retried for longer than the deadline)
+	 * would hold their connections' answers, and those of every line after them, until
+	 * the close: they are answered as if DynamoDB had failed, and what they held goes
+	 * out, for STOP_GRACE_MS more at most. A second signal closes at once. */
+	if (!s->waits_failed && t == &s->deadline) {
+		s->waits_failed = true;
+		if ((n = dispatch_stop_waiting(s->dispatch)) > 0) {
+			log_msg(
+			    LOG_WARN, "server",
+			    "stop deadline reached; %zu requests waiting for DynamoDB answered as "
+			    "if it failed",
+			    n);
+			uv_timer_start(&s->deadline, on_deadline, STOP_GRACE_MS, 0);
+			return;
+		}
+	}
 	log_msg(LOG_WARN, "server", "stop deadline reached; closing %zu connections", s->nconns);
 	for (struct conn *c = s->conns; c; c = c->next)
 		conn_close(c);
@@ -1360,6 +1379,7 @@ void server_stop(struct server *s, void (*on_stopped)(struct server *s))
 	struct conn *c, *next;
 
 	if (s->stopping) {
+		s->waits_failed = true; /* a second signal: close now */
 		on_deadline(&s->deadline);
 		return;
 	}

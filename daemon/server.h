@@ -34,6 +34,7 @@ struct server {
 	size_t fd_limit_for; /* the max-connections that was worked out for */
 	int handles_open; /* while stopping: handles whose close is pending */
 	bool listening, stopping, socket_created;
+	bool waits_failed; /* the stop's deadline answered what waited for DynamoDB */
 	bool activated;                       /* the socket came from the service manager */
 	void (*on_stopped)(struct server *s); /* called once every handle is closed */
 };

@@ -1451,6 +1451,39 @@ def test_client_gone_while_its_restore_waits(faultproxy, dynalite, ddb_table, da
         faultproxy.clear()
 
 
+def test_stop_deadline_answers_what_waited_for_an_unanswering_dynamodb(faultproxy, dynalite,
+                                                                        ddb_table,
+                                                                        daemon_factory):
+    """SIGTERM while lines wait for lookups that DynamoDB never answers (a black hole: each
+    is retried longer than the stop's deadline): at the deadline they are answered as if
+    DynamoDB had failed (a read: unavailable; an add: a new conversation, availability
+    first), and so is every line the clients sent behind them, before the stop closes the
+    connections. They used to be closed at the deadline with nothing answered, not even a
+    ping sent before the signal."""
+    d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, extra=["--drain-ms", "300"])
+    faultproxy.set_down(True, mode="blackhole")
+    clients = [d.connect(timeout=40 * TIMEOUT_SCALE) for _ in range(2)]
+    for k, c in enumerate(clients):
+        c.send({"id": "g%d" % k, "op": "get_messages", "conversation": "nowhere-%d" % k})
+        c.send({"id": "p%d" % k, "op": "ping"})
+        c.send({"id": "a%d" % k, "op": "add_user", "conversation": "also-nowhere-%d" % k,
+                "contents": "hi"})
+    time.sleep(0.3)
+    t0 = time.time()
+    d.signal(signal.SIGTERM)
+    for k, c in enumerate(clients):
+        g, p, a = c.recv(), c.recv(), c.recv()
+        assert g["id"] == "g%d" % k and g["error"]["code"] == "unavailable", g
+        assert p["id"] == "p%d" % k and p["result"]["pong"] is True, p
+        assert a["id"] == "a%d" % k and a["ok"], a
+        with pytest.raises((EOFError, OSError)):
+            c.recv_line()
+    assert d.proc.wait(30 * TIMEOUT_SCALE) == 0, d.log()
+    assert time.time() - t0 >= 9, "answered before the deadline: the lookups failed early?"
+    assert "2 requests waiting for DynamoDB answered as if it failed" in d.log(), d.log()
+    faultproxy.set_down(False)
+
+
 def test_unreadable_answers_from_dynamodb(faultproxy, dynalite, ddb_table, daemon_factory):
     """A 200 whose body is not DynamoDB's JSON (an HTML login page from a middlebox) is not a
     success: BatchWriteItem is retried until an answer can be read (the table ends up
