@@ -107,10 +107,16 @@ static void mark_row_reopen(struct dispatch *d, struct convo *c)
 	d->store_dirty = c;
 }
 
-static void mark_store_dirty(struct dispatch *d, struct convo *c)
+/* c's row is to be written open, in this turn's commit: no change a read shows. */
+static void mark_row_change(struct dispatch *d, struct convo *c)
 {
 	d->changed = true;
 	mark_row_reopen(d, c);
+}
+
+static void mark_store_dirty(struct dispatch *d, struct convo *c)
+{
+	mark_row_change(d, c);
 	if (d->store)
 		c->daemon_flags |= FLAG_DATA_DIRTY;
 }
@@ -1411,7 +1417,8 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 			log_msg(LOG_INFO, "sink", "restored %.*s from DynamoDB (%zu messages)",
 			        (int)(r->conv_len > 64 ? 64 : r->conv_len), r->conv, c->nlog);
 			c->daemon_flags |= FLAG_FROM_REMOTE;
-			mark_store_dirty(d, c);
+			/* Kept locally by the next commit; what reads show is DynamoDB's. */
+			mark_row_change(d, c);
 		}
 	}
 	restore_finish(r, outcome);
@@ -1652,7 +1659,7 @@ static enum find_result find_convo(struct dispatch *d, enum op op, const char *c
 	if (c && (c->daemon_flags & FLAG_CLOSING) && op != OP_CLOSE) {
 		/* Used again before it left memory: it is open again. */
 		c->daemon_flags &= ~(unsigned int)FLAG_CLOSING;
-		mark_store_dirty(d, c);
+		mark_row_change(d, c);
 	}
 	if (!c) {
 		if (!ops_creates(op)) {
