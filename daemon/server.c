@@ -1013,30 +1013,10 @@ static int socket_live(const char *path)
 	return rc == 0;
 }
 
-int server_check_path(const struct config *cfg)
-{
-	const char *path = cfg->socket_path;
-	struct stat st;
-	int rc = socket_dir_check(path);
-
-	if (rc < 0)
-		return rc;
-	if (lstat(path, &st) < 0)
-		return 0;
-	if (!S_ISSOCK(st.st_mode)) {
-		log_msg(LOG_ERROR, "server", "%s exists and is not a socket; not replacing it",
-		        path);
-		return -EEXIST;
-	}
-	if ((rc = socket_live(path)) == 1) {
-		log_msg(LOG_ERROR, "server", "another daemon is listening on %s", path);
-		return -EADDRINUSE;
-	}
-	return rc < 0 ? rc : 0;
-}
-
-/* Replaces a stale socket file; refuses a live socket or a file that is not a socket. */
-static int prepare_socket_path(const char *path)
+/* What is at the socket path: -errno after logging why it cannot be used (its directory
+ * missing, a file that is not a socket, another daemon listening on it), 0 nothing, 1 a
+ * stale socket file. Changes nothing. */
+static int socket_path_state(const char *path)
 {
 	struct stat st;
 	int rc;
@@ -1056,6 +1036,22 @@ static int prepare_socket_path(const char *path)
 		log_msg(LOG_ERROR, "server", "another daemon is listening on %s", path);
 		return -EADDRINUSE;
 	}
+	return 1;
+}
+
+int server_check_path(const struct config *cfg)
+{
+	int rc = socket_path_state(cfg->socket_path);
+	return rc < 0 ? rc : 0;
+}
+
+/* Replaces a stale socket file; refuses a live socket or a file that is not a socket. */
+static int prepare_socket_path(const char *path)
+{
+	int rc = socket_path_state(path);
+
+	if (rc <= 0)
+		return rc;
 	log_msg(LOG_INFO, "server", "replacing stale socket %s", path);
 	if (unlink(path) < 0 && errno != ENOENT)
 		return -errno;
@@ -1315,7 +1311,7 @@ static void on_deadline(uv_timer_t *t)
 	 * would hold their connections' answers, and those of every line after them, until
 	 * the close: they are answered as if DynamoDB had failed, and what they held goes
 	 * out, for STOP_GRACE_MS more at most. A second signal closes at once. */
-	if (!s->waits_failed && t == &s->deadline) {
+	if (!s->waits_failed) {
 		s->waits_failed = true;
 		if ((n = dispatch_stop_waiting(s->dispatch)) > 0) {
 			log_msg(
