@@ -346,6 +346,15 @@ static int keep_string(struct config *cfg, const char *v, const char **out)
 	return 0;
 }
 
+/* A control character or a double quote: what no value may hold, in a file or a flag. */
+static bool has_forbidden_char(const char *v)
+{
+	for (; *v; v++)
+		if ((unsigned char)*v < 0x20 || *v == 0x7f || *v == '"')
+			return true;
+	return false;
+}
+
 static int check_string(size_t i, const char *v, const char *where, char *err, size_t errsize)
 {
 	if (!*v) {
@@ -354,12 +363,9 @@ static int check_string(size_t i, const char *v, const char *where, char *err, s
 	}
 	/* What the file refuses, a flag refuses too: --check-config prints every setting as a
 	 * line of a file that reads back the same. */
-	for (const char *p = v; *p; p++) {
-		if ((unsigned char)*p < 0x20 || *p == 0x7f || *p == '"') {
-			set_err(err, errsize, "%s: control character or double quote in the value",
-			        where);
-			return -EINVAL;
-		}
+	if (has_forbidden_char(v)) {
+		set_err(err, errsize, "%s: control character or double quote in the value", where);
+		return -EINVAL;
 	}
 	if (strcmp(settings[i].key, "socket") == 0) {
 		struct sockaddr_un sa;
@@ -532,12 +538,10 @@ static int parse_value(char *v, char **out)
 		end[-1] = '\0';
 		v++;
 	}
-	for (p = v; *p; p++) {
-		/* There is no escape: a '"' may only surround the whole value (so that every
-		 * value --check-config prints reads back the same). */
-		if ((unsigned char)*p < 0x20 || *p == 0x7f || *p == '"')
-			return -EINVAL;
-	}
+	/* There is no escape: a '"' may only surround the whole value (so that every value
+	 * --check-config prints reads back the same). */
+	if (has_forbidden_char(v))
+		return -EINVAL;
 	*out = v;
 	return 0;
 }
@@ -616,7 +620,11 @@ int config_parse_text(struct config *cfg, const char *name, const char *text, si
 		}
 		seen[i] = lineno;
 		if (parse_value(p, &value) < 0) {
-			set_err(err, errsize, "%s: control character or inner double quote in the value (a double quote may only surround the whole value)", where);
+			set_err(
+			    err, errsize,
+			    "%s: control character or inner double quote in the value (a double "
+			    "quote may only surround the whole value)",
+			    where);
 			return -EINVAL;
 		}
 		rc = config_set(cfg, key, value, CONFIG_SRC_FILE, lineno, where, err, errsize);
@@ -803,12 +811,16 @@ static int args_put(struct config_args *args, const struct setting *s, const cha
 	return 0;
 }
 
-/* Whether the option getopt_long just returned was written out in full: "--NAME" or
- * "--NAME=...", in argv[optind - 1], or in the one before when its value was a word of
- * its own. */
-static bool exact_option(char **argv, int optind_now, const char *arg, const char *name)
+/* The word of the option getopt_long just returned: argv[optind - 1], or the one before
+ * when its value was a word of its own. */
+static const char *option_word(char **argv, int optind_now, const char *arg)
 {
-	const char *w = argv[optind_now - 1 - (arg && arg == argv[optind_now - 1])];
+	return argv[optind_now - 1 - (arg && arg == argv[optind_now - 1])];
+}
+
+/* Whether option word w names name in full: "--NAME" or "--NAME=...". */
+static bool exact_option(const char *w, const char *name)
+{
 	size_t n = strlen(name);
 
 	return w[0] == '-' && w[1] == '-' && strncmp(w + 2, name, n) == 0 &&
@@ -839,13 +851,13 @@ int config_parse_args(struct config_args *args, int argc, char **argv, char *err
 	opterr = 0;
 	optind = 1;
 	while ((li = -1, c = getopt_long(argc, argv, ":", opts, &li)) != -1) {
-		if (li >= 0 && !exact_option(argv, optind, optarg, opts[li].name)) {
+		if (li >= 0 && !exact_option(option_word(argv, optind, optarg), opts[li].name)) {
 			/* getopt_long takes a prefix of one name for it ("--mem" for
 			 * --memory-only): not here, where a setting must be named in full. */
 			set_err(err, errsize,
 			        "unknown option '%s' (options are not abbreviated; see "
 			        "--help)",
-			        argv[optind - 1 - (optarg && optarg == argv[optind - 1])]);
+			        option_word(argv, optind, optarg));
 			rc = -EINVAL;
 			goto fail;
 		}
