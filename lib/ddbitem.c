@@ -164,24 +164,44 @@ static json_t *number_json(const char *s, struct error *err)
 	return j;
 }
 
-/* Bytes DynamoDB counts for N text: one per two significant digits (leading and trailing
- * zeros do not count, rounded up), plus one. */
+/* floor(v / 2), for negative v too */
+static long floor_half(long v)
+{
+	return v >= 0 ? v / 2 : -((1 - v) / 2);
+}
+
+/* Bytes DynamoDB counts for N text (valid for number_syntax): its significant digits
+ * (leading and trailing zeros trimmed) as base-100 digits aligned on the decimal point,
+ * plus one, plus one more when it is negative; zero is one byte. So 12 and 0.15 take 2
+ * bytes, 120, 1.5 and -1 take 3. The Developer Guide only says "approximately one byte per
+ * two significant digits, plus one", which undercounts those: an item it said fitted was
+ * then refused by DynamoDB as too large. The alignment is what dynalite, whose sizes were
+ * taken from DynamoDB's answers, counts. Only the exponent's parity moves the alignment. */
 static size_t number_size(const char *s)
 {
-	size_t first = 0, last = 0, pos = 0;
-	bool seen = false;
-	for (; *s && *s != 'e' && *s != 'E'; s++) {
-		if (*s < '0' || *s > '9')
+	bool neg = *s == '-', seen = false;
+	long intdigits = 0, pos = 0, hi = 0, lo = 0, odd = 0;
+	const char *p = s + neg;
+
+	for (const char *q = p; *q >= '0' && *q <= '9'; q++)
+		intdigits++;
+	for (; *p && *p != 'e' && *p != 'E'; p++) {
+		long power;
+		if (*p == '.')
 			continue;
-		pos++;
-		if (*s != '0') {
+		power = intdigits - 1 - pos++;
+		if (*p != '0') {
 			if (!seen)
-				first = pos;
+				hi = power;
 			seen = true;
-			last = pos;
+			lo = power;
 		}
 	}
-	return (seen ? (last - first + 2) / 2 : 0) + 1;
+	if (!seen)
+		return 1;
+	if (*p) /* the exponent, whose last character is a digit */
+		odd = (p[strlen(p) - 1] - '0') & 1;
+	return (size_t)(floor_half(hi + odd) - floor_half(lo + odd) + 1) + 1 + (neg ? 1 : 0);
 }
 
 /* ---- JSON <-> AttributeValue ---- */
@@ -391,8 +411,8 @@ static bool base64_size(const char *s, size_t len, size_t *out)
 
 /* Size of one AttributeValue without its name. The rules are those of the DynamoDB
  * Developer Guide, "DynamoDB item sizes and formats" (CapacityUnitCalculations.html):
- * a String counts its UTF-8 bytes; a Number about one byte per two significant digits
- * (leading and trailing zeros trimmed) plus one; a Binary its raw bytes; Null and Boolean
+ * a String counts its UTF-8 bytes; a Number one byte per base-100 digit plus one (see
+ * number_size); a Binary its raw bytes; Null and Boolean
  * one byte; a List or Map 3 bytes of overhead plus the sizes of its elements, each element
  * one byte more, and a Map element also the UTF-8 bytes of its name. Sets are never
  * written by this codec and are refused. */

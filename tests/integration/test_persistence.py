@@ -366,6 +366,55 @@ def test_items_exactly_as_specified(dynalite, ddb_table, daemon_factory):
 # --- 2. a change after a flush ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("value", ["-1", "120"])
+def test_numbers_counted_as_dynamodb_counts_them(value, dynalite, ddb_table, daemon_factory):
+    """Promise 4: what the daemon acknowledges, DynamoDB stores. A number is one byte per
+    base-100 digit plus one, one more when negative: -1 and 120 take 3 bytes (4 in a list),
+    where "one byte per two significant digits, plus one" said 2, and a message the daemon
+    took became a dead letter. The largest aux list of them the daemon takes is stored by
+    DynamoDB (dynalite), and one more element is refused by it as by the daemon."""
+    d = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    c = d.connect()
+
+    def add(n):
+        return c.request({"op": "add_user", "conversation": "numbers-%s-%d" % (value, n),
+                          "contents": "x", "metadata": {"aux": {"n": [json.loads(value)] * n}}})
+
+    lo, hi = 1000, 150000  # taken, refused
+    assert add(lo)["ok"]
+    r = add(hi)
+    assert not r["ok"] and r["error"]["code"] == "too_large", r
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        r = add(mid)
+        if r["ok"]:
+            lo = mid
+        else:
+            assert r["error"]["code"] == "too_large", r
+            hi = mid
+    # 4 bytes an element: the rest of the item is a few hundred bytes of the 400 KB.
+    assert 409600 - 400 < 4 * lo <= 409600, lo
+    c.ok({"op": "flush"})
+    wait_drained(c)
+    st = stats(c)
+    assert st["sink"]["dead_lettered"] == 0, st["sink"]
+    items = [it for it in ddb.query_all(dynalite, ddb_table, "numbers-%s-%d" % (value, lo))]
+    assert len(items) == 1 and len(items[0]["metadata"]["M"]["aux"]["M"]["n"]["L"]) == lo
+    # DynamoDB's own limit is right there: the daemon counts the largest version, update
+    # time and expiry the message may ever have (25 bytes more than this item's: a 10-digit
+    # version, a 19-digit time, an "expires" attribute), and a few elements more make
+    # DynamoDB refuse the item too.
+    big = json.loads(json.dumps(items[0]))
+    for more in range(1, 12):
+        big["metadata"]["M"]["aux"]["M"]["n"]["L"].append({"N": value})
+        try:
+            ddb.put_item(dynalite, ddb_table, big)
+        except ddb.DdbError as e:
+            assert "ValidationException" in str(e) and "size" in str(e), e
+            break
+    assert more <= 8, "DynamoDB took %d elements more than the daemon" % more
+
+
 def test_merge_after_flush_rewrites_newer_version(dynalite, ddb_table, daemon_factory):
     d = ddb_daemon(daemon_factory, dynalite, ddb_table)
     c = d.connect()
