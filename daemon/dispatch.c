@@ -1393,6 +1393,27 @@ bad:
 	return NULL;
 }
 
+/* Whether remote, a conversation built from DynamoDB's items, is ahead of the local store's
+ * copy of it: that copy is missing (or cannot be read), or DynamoDB has a message it lacks,
+ * or a newer version of one. A copy with nothing left to send is in DynamoDB whole, so
+ * DynamoDB's is then the same log, or one that went on from it on another host. Items
+ * missing from DynamoDB (expired ones) do not make it ahead. */
+static bool remote_ahead(struct dispatch *d, const struct convo *remote)
+{
+	struct convo *local = NULL;
+	bool ahead = false;
+
+	if (!d->store || store_load_conversation(d->store, remote->id, remote->id_len, &local) < 0)
+		return true;
+	for (size_t i = 0; i < remote->nlog && !ahead; i++) {
+		const struct message *m = remote->log[i];
+		long k = convo_find(local, m->id, strlen(m->id));
+		ahead = k < 0 || m->version > local->log[k]->version;
+	}
+	convo_free(local);
+	return ahead;
+}
+
 static void on_restore_query(void *arg, int status, const json_t *items)
 {
 	struct restore_wait *r = arg;
@@ -1410,6 +1431,9 @@ static void on_restore_query(void *arg, int status, const json_t *items)
 		                      : NULL;
 		if (!c) {
 			outcome = DISPATCH_REMOTE_FAILED;
+		} else if (!remote_ahead(d, c)) {
+			/* The waiters go on with the local store's copy. */
+			convo_free(c);
 		} else if (registry_put(&d->reg, c) < 0) {
 			convo_free(c);
 			outcome = DISPATCH_REMOTE_FAILED;
@@ -1611,6 +1635,17 @@ static enum find_result find_convo(struct dispatch *d, enum op op, const char *c
 	*created = false;
 	if (!c && d->store) {
 		int rc = store_load_conversation(d->store, cid, cid_len, &c);
+		/* The conversation may have moved to another host since it was closed here, and
+		 * gone on there: with DynamoDB configured, and nothing of this copy left to send
+		 * (else it is the newer one), DynamoDB is asked first. Its copy is taken when it
+		 * is ahead of this one (on_restore_query); otherwise, or when it cannot be asked,
+		 * the request comes back here and this copy is used. */
+		if (rc == 0 && d->remote && remote == DISPATCH_REMOTE_CHECK && waiter &&
+		    !d->lookups_off && !sink_has_pending(c) &&
+		    restore_start(d, cid, cid_len, waiter) == 0) {
+			convo_free(c);
+			return FIND_WAIT;
+		}
 		if (rc == 0) {
 			loaded_from_store(d, c);
 			if (d->reg.count >= d->cfg->max_conversations) {

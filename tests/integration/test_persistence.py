@@ -1368,6 +1368,68 @@ def test_restore_from_dynamodb(dynalite, ddb_table, daemon_factory):
                    for it in ddb.scan_all(dynalite, ddb_table))
 
 
+def test_moved_to_another_host_and_back(faultproxy, dynalite, ddb_table, daemon_factory):
+    """persistence.md: "a conversation can move between assistant hosts". Closed on A, it
+    goes on on B; named again on A, whose store still holds the closed copy, A takes
+    DynamoDB's newer log (and its next change goes on from it), not its own stale copy,
+    which an add then wrote over DynamoDB's newer item at the same version. A copy DynamoDB
+    is not ahead of, or one DynamoDB cannot be asked about, is served from A's store."""
+    conv = "moving-call"
+    a = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+    ca = a.connect()
+    ca.ok({"op": "add_user", "conversation": conv, "contents": "book a table"})
+    ca.ok({"op": "add_assistant", "conversation": conv, "contents": "For how many?"})
+    ca.ok({"op": "add_user", "conversation": "stays-here", "contents": "hello"})
+    for cv in (conv, "stays-here"):
+        ca.ok({"op": "close", "conversation": cv})
+    wait_drained(ca)
+    assert a.stop() == 0
+
+    b = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    cb = b.connect()
+    cb.ok({"op": "add_assistant", "conversation": conv, "contents": "And for when?"})
+    cb.ok({"op": "add_user", "conversation": conv, "contents": "four, tonight"})
+    cb.ok({"op": "close", "conversation": conv})
+    wait_drained(cb)
+    on_b = full_log(cb, conv)
+    assert [m["message"]["contents"] for m in on_b] == [
+        ["book a table"], ["For how many?", "And for when?"], ["four, tonight"]]
+    assert b.stop() == 0
+
+    a.start()
+    ca = a.connect()
+    assert full_log(ca, conv) == on_b
+    r = ca.ok({"op": "add_assistant", "conversation": conv, "contents": "Anything else?"})
+    assert not r["merged"] and r["message"]["id"] > on_b[-1]["id"]
+    ca.ok({"op": "flush"})
+    wait_drained(ca)
+    items = [ddb.from_item(i) for i in ddb.query_all(dynalite, ddb_table, conv)]
+    assert [(i["message"]["contents"], i["version"]) for i in items] == [
+        (["book a table"], 1), (["For how many?", "And for when?"], 2), (["four, tonight"], 1),
+        (["Anything else?"], 1)]
+    # A restart of A keeps what it took from DynamoDB.
+    assert a.stop() == 0
+    a.start()
+    ca = a.connect()
+    assert [m["message"]["contents"] for m in full_log(ca, conv)] == [
+        ["book a table"], ["For how many?", "And for when?"], ["four, tonight"],
+        ["Anything else?"]]
+
+    def queries():
+        return sum(1 for op, _ in faultproxy.log if op == "Query")
+
+    # A closed conversation DynamoDB is not ahead of comes from A's store, after a Query.
+    n = queries()
+    assert [m["message"]["contents"] for m in full_log(ca, "stays-here")] == [["hello"]]
+    assert queries() > n, "the closed conversation was not looked up in DynamoDB"
+    # With DynamoDB unreachable, from A's store all the same (availability first).
+    ca.ok({"op": "close", "conversation": "stays-here"})
+    wait_drained(ca)
+    faultproxy.set_down(True)
+    assert [m["message"]["contents"] for m in full_log(ca, "stays-here")] == [["hello"]]
+    faultproxy.set_down(False)
+
+
 def test_restore_unavailable_while_dynamodb_down(faultproxy, dynalite, ddb_table, daemon_factory):
     """A read of an unknown conversation while DynamoDB cannot be asked: unavailable (it may
     exist there), not not_found; once it is back, the conversation is restored."""
