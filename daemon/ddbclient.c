@@ -30,7 +30,7 @@ struct request {
 	CURL *easy;
 	struct curl_slist *headers;
 	char *body; /* what curl sends; ours until the transfer is removed */
-	size_t body_cap;
+	size_t body_len, body_cap;
 	char *resp; /* the answer, always NUL-terminated when non-NULL */
 	size_t resp_len, resp_cap;
 	bool resp_too_large;
@@ -365,6 +365,7 @@ static void request_finish(struct ddbclient *c, struct request *r, CURLcode code
 	struct ddbclient_result res;
 	char toobig[96];
 	long status = 0, conns = 0;
+	curl_off_t up = 0;
 
 	memset(&res, 0, sizeof(res));
 	res.operation = r->operation;
@@ -387,6 +388,11 @@ static void request_finish(struct ddbclient *c, struct request *r, CURLcode code
 		res.error = r->errbuf[0] ? r->errbuf : curl_easy_strerror(code);
 		res.timed_out = code == CURLE_OPERATION_TIMEDOUT;
 	}
+	/* The whole body left: the server may have acted on it, answer or not. */
+	res.sent =
+	    !canceled && (res.status != 0 ||
+	                  (curl_easy_getinfo(r->easy, CURLINFO_SIZE_UPLOAD_T, &up) == CURLE_OK &&
+	                   up >= (curl_off_t)r->body_len));
 	if (curl_easy_getinfo(r->easy, CURLINFO_NUM_CONNECTS, &conns) == CURLE_OK)
 		res.new_connections = conns;
 	res.body = r->resp && r->resp_len ? r->resp : "";
@@ -720,6 +726,7 @@ int ddbclient_call(struct ddbclient *c, const char *operation, const void *body,
 	if (len)
 		memcpy(r->body, body, len);
 	r->body[len] = '\0';
+	r->body_len = len;
 	snprintf(r->operation, sizeof(r->operation), "%s", operation);
 	r->resp_len = 0;
 	if (r->resp)

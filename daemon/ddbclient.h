@@ -38,6 +38,7 @@ struct ddbclient_result {
 	const char *error;     /* why the transport failed ("" when status != 0) */
 	bool timed_out;        /* the transport failed on a connect or request timeout */
 	bool canceled;         /* ddbclient_close ended the request; status is 0 */
+	bool sent;             /* the whole request left (the server may have acted on it) */
 	const char *body;      /* the answer, NUL-terminated ("" when none) */
 	size_t body_len;
 	const char *request_id; /* x-amzn-RequestId ("" when none) */

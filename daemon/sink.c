@@ -39,6 +39,26 @@
 /* The statistics' count of the spool's bytes goes this many rows a slice (about 1 ms). */
 #define BYTES_SLICE_ROWS 8192
 
+/* A BatchWriteItem sent whole and left without a clear answer (none before the timeout,
+ * a broken connection, a 5xx, an unreadable 200) may still be applied by DynamoDB later,
+ * after a newer version of one of its messages was written and confirmed: the older
+ * version would then stay in DynamoDB for ever (persistence.md, promise 3). So each of its
+ * messages is looked at again REPAIR_TIMEOUTS request timeouts after the call ended, when
+ * that late write can be taken to have landed or never to land, and written again then if
+ * the store holds a newer version than the one that call carried. In memory only: a restart
+ * forgets them. At most REPAIR_MAX wait at a time (the newest are let go). */
+#define REPAIR_TIMEOUTS 3
+#define REPAIR_MAX 65536
+
+struct repair {
+	struct repair *next;
+	uint64_t due_ms;  /* loop time */
+	uint32_t version; /* what the unanswered call carried */
+	char sk[DDBITEM_SK_MAX + 1];
+	size_t conv_len;
+	char conv[]; /* conv_len bytes and a NUL */
+};
+
 /* Pending entries of one conversation; the conversation id is kept here once. Lives while
  * pending > 0. */
 struct conv {
@@ -127,6 +147,10 @@ struct sink {
 	bool reloaded;
 
 	uint64_t writes_sent, confirmed, retried, dead_lettered, failures, unprocessed;
+	/* repairs due, in due order (a FIFO: the delay is fixed) */
+	struct repair *repair_head, *repair_tail;
+	size_t nrepairs;
+	uint64_t repaired, repairs_dropped;
 	char last_error[LAST_ERROR_MAX];
 	uint32_t lat[LATENCY_SAMPLES];
 	size_t nlat, lat_pos;
@@ -695,9 +719,92 @@ static void batch_free(struct batch *b)
 	free(b);
 }
 
+/* The messages of b, whose call may still be applied, are looked at again later. */
+static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
+{
+	for (size_t i = 0; i < b->n; i++) {
+		const struct entry *e = b->e[i];
+		struct repair *r;
+		if (s->nrepairs >= REPAIR_MAX) {
+			if (s->repairs_dropped++ == 0)
+				log_msg(
+				    LOG_WARN, SUBSYS,
+				    "more than %d writes without a clear answer wait to be looked "
+				    "at again; later ones are not",
+				    REPAIR_MAX);
+			continue;
+		}
+		r = malloc(sizeof(*r) + e->conv->len + 1);
+		if (!r) {
+			s->repairs_dropped++;
+			continue;
+		}
+		r->next = NULL;
+		r->due_ms = now + (uint64_t)REPAIR_TIMEOUTS * (uint64_t)s->cfg.request_timeout_ms;
+		r->version = b->version[i];
+		memcpy(r->sk, e->sk, sizeof(r->sk));
+		r->conv_len = e->conv->len;
+		memcpy(r->conv, e->conv->id, e->conv->len + 1);
+		if (s->repair_tail)
+			s->repair_tail->next = r;
+		else
+			s->repair_head = r;
+		s->repair_tail = r;
+		s->nrepairs++;
+	}
+}
+
+/* The repairs due by now: a message the store holds a newer version of than the
+ * unanswered call carried is written again (a new entry, or the one waiting already).
+ * One whose newer version is in flight right now is looked at again a timeout later: that
+ * write may have left before the late one landed. */
+static void repairs_run(struct sink *s, uint64_t now)
+{
+	struct repair *r;
+
+	while ((r = s->repair_head) && r->due_ms <= now) {
+		json_t *map = NULL;
+		uint32_t version = 0;
+		int64_t updated = 0;
+		uint64_t hash = hash_bytes(s->hash_seed, r->conv, r->conv_len);
+		struct conv *c;
+		struct entry *e = NULL;
+		int rc;
+
+		s->repair_head = r->next;
+		if (!s->repair_head)
+			s->repair_tail = NULL;
+		s->nrepairs--;
+		rc = store_message_get(s->store, r->conv, r->conv_len, r->sk, &map, &version,
+		                       &updated);
+		json_decref(map);
+		if (rc == 0 && version > r->version) {
+			if ((c = conv_find(s, r->conv, r->conv_len, hash)))
+				e = entry_find(s, c, r->sk);
+			if (e && e->state == ENTRY_INFLIGHT) {
+				r->next = NULL;
+				r->due_ms = now + (uint64_t)s->cfg.request_timeout_ms;
+				if (s->repair_tail)
+					s->repair_tail->next = r;
+				else
+					s->repair_head = r;
+				s->repair_tail = r;
+				s->nrepairs++;
+				continue;
+			}
+			if (!e &&
+			    sink_enqueue(s, r->conv, r->conv_len, r->sk, version, wall_ms()) == 0)
+				s->repaired++;
+		}
+		free(r);
+	}
+}
+
 /* A call failed in a way worth retrying: every entry waits its backoff, and the gate
- * holds further calls back for a while. */
-static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64_t now)
+ * holds further calls back for a while. unknown: it may have been applied all the same
+ * (repair_add). */
+static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64_t now,
+                        bool unknown)
 {
 	s->failures++;
 	set_last_error(s, "%s", why);
@@ -712,6 +819,8 @@ static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64
 		        b->n == 1 ? "" : "s", b->n == 1 ? "s" : "");
 	else
 		log_msg(LOG_DEBUG, SUBSYS, "%s; %zu items wait", why, b->n);
+	if (unknown)
+		repair_add(s, b, now);
 	for (size_t i = 0; i < b->n; i++)
 		entry_retry(s, b->e[i], now);
 }
@@ -758,20 +867,21 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 		break;
 	case OUT_CREDENTIALS:
 		maybe_reload_credentials(s);
-		batch_retry(s, b, why, now);
+		batch_retry(s, b, why, now, false);
 		return;
 	case OUT_PERMANENT:
 		batch_permanent(s, b, why);
 		return;
 	case OUT_RETRY:
-		batch_retry(s, b, why, now);
+		/* No answer to a call sent whole, or a 5xx: it may have been applied. */
+		batch_retry(s, b, why, now, (res->status == 0 && res->sent) || res->status >= 500);
 		return;
 	}
 	if (ddbitem_batch_write_parse(res->body, res->body_len, s->table, &unprocessed, &err) !=
 	    ERR_OK) {
 		snprintf(why, sizeof(why), "BatchWriteItem: unreadable answer: %.200s",
 		         err.message);
-		batch_retry(s, b, why, now);
+		batch_retry(s, b, why, now, true);
 		return;
 	}
 	json_array_foreach(unprocessed, i, it)
@@ -791,7 +901,7 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 			/* Not one of ours: which item was left out is unknown, so all are. */
 			json_decref(unprocessed);
 			batch_retry(s, b, "BatchWriteItem: UnprocessedItems names an item not sent",
-			            now);
+			            now, true);
 			return;
 		}
 	}
@@ -954,7 +1064,7 @@ static int batch_send(struct sink *s, uint64_t now)
 	rc = 1;
 	goto out;
 fail:
-	batch_retry(s, b, why, now);
+	batch_retry(s, b, why, now, false);
 out:
 	if (b)
 		batch_free(b);
@@ -985,6 +1095,8 @@ static void arm_timer(struct sink *s, uint64_t now)
 		if (s->fail_streak && s->gate_ms > due)
 			due = s->gate_ms;
 	}
+	if (s->repair_head && s->repair_head->due_ms < due)
+		due = s->repair_head->due_ms;
 	if (due == UINT64_MAX) {
 		uv_timer_stop(&s->timer);
 		return;
@@ -1000,6 +1112,7 @@ static void pump(struct sink *s)
 		return;
 	s->pumping = true;
 	now = uv_now(s->loop);
+	repairs_run(s, now);
 	while (s->nheap && s->heap[0]->next_ms <= now)
 		ready_push_back(s, heap_pop(s));
 	for (;;) {
@@ -1286,14 +1399,15 @@ json_t *sink_stats_sink(struct sink *s)
 	}
 	last_error = remote && s->last_error[0] ? json_string(s->last_error) : json_null();
 	return json_pack(
-	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:I}", "kind",
+	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:I}", "kind",
 	    remote ? "dynamodb" : "local", "writes_sent", (json_int_t)(remote ? s->writes_sent : 0),
 	    "confirmed", (json_int_t)(remote ? s->confirmed : 0), "retried",
 	    (json_int_t)(remote ? s->retried : 0), "failures",
 	    (json_int_t)(remote ? s->failures : 0), "dead_lettered",
 	    (json_int_t)(remote ? s->dead_lettered : 0), "unprocessed",
 	    (json_int_t)(remote ? s->unprocessed : 0), "resent",
-	    (json_int_t)(remote ? s->resynced : 0), "last_error", last_error, "latency_ms", lat,
+	    (json_int_t)(remote ? s->resynced : 0), "repaired",
+	    (json_int_t)(remote ? s->repaired : 0), "last_error", last_error, "latency_ms", lat,
 	    "inflight", (json_int_t)(remote ? s->batches_inflight : 0));
 }
 
@@ -1696,6 +1810,11 @@ static void maybe_freed(struct sink *s)
 		return;
 	ht_free(&s->entries, free_node);
 	ht_free(&s->convs, free_node);
+	while (s->repair_head) {
+		struct repair *r = s->repair_head;
+		s->repair_head = r->next;
+		free(r);
+	}
 	free(s->heap);
 	free(s->table);
 	cb = s->on_closed;

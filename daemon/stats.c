@@ -132,6 +132,7 @@ static bool prom_is_counter(const char *name)
 	    "convod_sink_dead_lettered",
 	    "convod_sink_unprocessed",
 	    "convod_sink_resent",
+	    "convod_sink_repaired",
 	    "convod_store_commits",
 	    "convod_store_turns",
 	    "convod_store_inline_commits",

@@ -478,6 +478,52 @@ def test_change_while_in_flight(faultproxy, dynalite, ddb_table, daemon_factory)
 # --- 3. exclude_last --------------------------------------------------------------------
 
 
+def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_table,
+                                                  daemon_factory):
+    """Promise 3, never older over newer: a BatchWriteItem the daemon gave up on (no answer
+    before --request-timeout-ms) still reaches DynamoDB, late, after the newer version of its
+    message was written and confirmed. Three request timeouts after that call ended, the
+    daemon writes the newer version again (sink.repaired); a message that did not change
+    since is left alone."""
+    timeout = 400
+    d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "600000",
+                        "--request-timeout-ms", str(timeout), "--retry-base-ms", "20",
+                        "--retry-max-ms", "100"], env=ddb_env(faultproxy.url))
+    c = d.connect()
+    conv = "late-write"
+    faultproxy.push("slow", n=1, op="BatchWriteItem", ms=2 * timeout)
+    u1 = c.ok({"op": "add_user", "conversation": conv, "contents": "hello"})["message"]["id"]
+    a1 = c.ok({"op": "add_assistant", "conversation": conv,
+               "contents": "v1 text"})["message"]["id"]
+    t0 = time.monotonic()
+    c.ok({"op": "flush", "conversation": conv})
+    time.sleep(0.1)
+    r = c.ok({"op": "add_assistant", "conversation": conv, "contents": "v2 text"})
+    assert r["merged"] and r["message"]["id"] == a1
+    c.ok({"op": "flush", "conversation": conv})
+    wait_drained(c)
+
+    def contents():
+        item = ddb.get_item(dynalite, ddb_table, conv, a1)
+        return (int(item["version"]["N"]), [x["S"] for x in item["message"]["M"]["contents"]["L"]])
+
+    # The slow call is forwarded 2 timeouts after it was sent, and lands over version 2.
+    wait_until(lambda: faultproxy.counts.get("slow") == 1 and
+               time.monotonic() - t0 > 2 * timeout / 1000.0 + 0.3, 10, "the late write")
+    late, at = contents(), time.monotonic() - t0
+    if at < 3 * timeout / 1000.0:  # (the repair cannot have come yet)
+        assert late == (1, ["v1 text"]), "the late write did not land: %r" % (late,)
+    # Three timeouts after the call ended, version 2 is written again.
+    wait_until(lambda: contents() == (2, ["v1 text", "v2 text"]), 10, "the repair")
+    st = stats(c)
+    assert st["sink"]["repaired"] == 1, (late, st["sink"])
+    assert ddb.get_item(dynalite, ddb_table, conv, u1)["version"] == {"N": "1"}
+    print("at %.2f s:" % at, late, "repaired after %.2f s" % (time.monotonic() - t0))
+    # Nothing more is repaired later.
+    time.sleep(4 * timeout / 1000.0)
+    assert stats(c)["sink"]["repaired"] == 1
+
+
 def test_exclude_last_idle_flush_and_close(dynalite, ddb_table, daemon_factory):
     idle = 1500
     d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "50", "--idle-ms",
