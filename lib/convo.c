@@ -266,7 +266,9 @@ static enum error_code check_limits(const struct convo *c, const struct convo_en
                                     size_t add_msgs, size_t add_bytes, struct error *err)
 {
 	const struct convo_limits *l = &env->limits;
-	if (l->max_messages && c->nlog + add_msgs > l->max_messages)
+	/* A change that adds no message (a merge) is never refused for the count, even where a
+	 * restart under a lower limit left the conversation over it already. */
+	if (l->max_messages && add_msgs && c->nlog + add_msgs > l->max_messages)
 		return error_set(err, ERR_TOO_LARGE,
 		                 "conversation: would exceed the limit of %zu messages",
 		                 l->max_messages);

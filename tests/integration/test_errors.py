@@ -232,6 +232,24 @@ def test_too_large_messages(daemon_factory):
                                                          "incremental": False})["messages"]] == [["..."], ["y" * 7]]
 
 
+def test_merge_into_a_conversation_over_a_lowered_max_messages(daemon_factory):
+    """Restarted under a lower --max-messages, a conversation already over it is restored
+    whole; a merge, which adds no message, is taken, a new message is refused."""
+    d = daemon_factory([])
+    c = d.connect()
+    for op, text in (("add_user", "u1"), ("add_assistant", "a1"), ("add_user", "u2")):
+        c.ok({"op": op, "conversation": "over", "contents": text})
+    assert d.stop() == 0
+    d.args = ["--max-messages", "2"]
+    d.start()
+    c = d.connect()
+    r = c.ok({"op": "add_user", "conversation": "over", "contents": "u2b"})
+    assert r["merged"] is True and r["message"]["message"]["contents"] == ["u2", "u2b"]
+    before = snapshot(c, "over")
+    expect(c, {"op": "add_assistant", "conversation": "over", "contents": "a2"}, "too_large")
+    assert snapshot(c, "over") == before and len(before[1]["messages"]) == 3
+
+
 def test_too_large_conversation_bytes(daemon_factory):
     d = daemon_factory(["--max-conversation-bytes", "100"])
     c = d.connect()
