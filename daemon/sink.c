@@ -143,6 +143,10 @@ struct sink {
 	 * succeeds: a dead or throttling endpoint is not hammered by every entry's own retry. */
 	unsigned fail_streak;
 	uint64_t gate_ms;
+	/* A call over the request timeout may have been too big to go through in time (a slow
+	 * link): the next calls carry at most half its items, and each call that succeeds
+	 * doubles that back. 0: no such cap (batch_items). */
+	size_t timeout_cap;
 	uint64_t last_reload_ms;
 	bool reloaded;
 
@@ -847,6 +851,8 @@ static void batch_permanent(struct sink *s, struct batch *b, const char *why)
 
 static void batch_succeeded(struct sink *s)
 {
+	if (s->timeout_cap && (s->timeout_cap *= 2) >= s->cfg.batch_items)
+		s->timeout_cap = 0;
 	if (s->fail_streak)
 		log_msg(LOG_INFO, SUBSYS, "BatchWriteItem succeeds again after %u failed call%s",
 		        s->fail_streak, s->fail_streak == 1 ? "" : "s");
@@ -873,6 +879,15 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 		batch_permanent(s, b, why);
 		return;
 	case OUT_RETRY:
+		if (res->timed_out && b->n > 1) {
+			if (s->timeout_cap == 0)
+				log_msg(
+				    LOG_WARN, SUBSYS,
+				    "a BatchWriteItem of %zu items timed out: the next calls carry "
+				    "at most %zu until calls succeed again",
+				    b->n, b->n / 2);
+			s->timeout_cap = b->n / 2;
+		}
 		/* No answer to a call sent whole, or a 5xx: it may have been applied. */
 		batch_retry(s, b, why, now, (res->status == 0 && res->sent) || res->status >= 500);
 		return;
@@ -1001,7 +1016,7 @@ static int batch_send(struct sink *s, uint64_t now)
 	struct entry *e;
 	json_t *req = NULL;
 	char *body = NULL;
-	size_t body_len = 0;
+	size_t body_len = 0, max;
 	struct error err;
 	char why[LAST_ERROR_MAX];
 	int rc;
@@ -1012,8 +1027,9 @@ static int batch_send(struct sink *s, uint64_t now)
 	b->s = s;
 	/* Entries that cannot be sent go elsewhere (dead letters, waiting, rarely back to the
 	 * ready tail): the pops are bounded so that this always ends. */
-	for (size_t pops = 0;
-	     b->n < s->cfg.batch_items && pops < BATCH_MAX_POPS && (e = s->ready_head); pops++) {
+	max = s->timeout_cap && s->timeout_cap < s->cfg.batch_items ? s->timeout_cap
+	                                                            : s->cfg.batch_items;
+	for (size_t pops = 0; b->n < max && pops < BATCH_MAX_POPS && (e = s->ready_head); pops++) {
 		if (e->alone && b->n > 0)
 			break;
 		ready_pop(s);

@@ -157,6 +157,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         op = target.rsplit(".", 1)[-1] if target else ""
         p._count("requests")
         p._count("op:" + (op or "-"))
+        if op == "BatchWriteItem":
+            try:
+                n = sum(len(v) for v in json.loads(body)["RequestItems"].values())
+            except (ValueError, KeyError, TypeError, AttributeError):
+                n = None
+            with p._lock:
+                p._batch_sizes.append(n)
         if p._blackhole:
             p._count("blackholed")
             p._record(op, "blackhole")
@@ -327,6 +334,7 @@ class FaultProxy:
         self._rand = random.Random(seed)
         self._counts = {}
         self._log = []
+        self._batch_sizes = []
         self._times = []  # time.monotonic() of each entry of _log
         self.errors = []  # tracebacks of unexpected handler failures
         self._conns = set()
@@ -497,6 +505,12 @@ class FaultProxy:
     def count(self, key):
         with self._lock:
             return self._counts.get(key, 0)
+
+    @property
+    def batch_sizes(self):
+        """The items of every BatchWriteItem seen, in order (None: an unreadable body)."""
+        with self._lock:
+            return list(self._batch_sizes)
 
     @property
     def log(self):

@@ -524,6 +524,33 @@ def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_tab
     assert stats(c)["sink"]["repaired"] == 1
 
 
+def test_batch_over_the_request_timeout_is_split(faultproxy, dynalite, ddb_table,
+                                                 daemon_factory):
+    """A BatchWriteItem over --request-timeout-ms (a link too slow for a big batch) is not
+    sent whole again and again: the next calls carry half as many items, and each call that
+    succeeds doubles that back."""
+    d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "600000",
+                        "--request-timeout-ms", "300", "--retry-base-ms", "20",
+                        "--retry-max-ms", "100"], env=ddb_env(faultproxy.url))
+    c = d.connect()
+    faultproxy.push("hang", n=1, op="BatchWriteItem")
+    for i in range(8):
+        c.ok({"op": "add_user", "conversation": "split-%d" % i, "contents": "m%d" % i})
+    c.ok({"op": "flush"})
+    wait_drained(c)
+    # (How the retried items group depends on their jittered backoffs: at most 4 a call.)
+    sizes = faultproxy.batch_sizes
+    assert sizes[0] == 8 and sizes[1] <= 4 and sum(sizes[1:]) == 8, sizes
+    assert "a BatchWriteItem of 8 items timed out: the next calls carry at most 4" in d.log()
+    assert len(ddb.scan_all(dynalite, ddb_table)) == 8
+    # Back to whole batches once calls succeed.
+    for i in range(8):
+        c.ok({"op": "add_assistant", "conversation": "split-%d" % i, "contents": "r%d" % i})
+    c.ok({"op": "flush"})
+    wait_drained(c)
+    assert faultproxy.batch_sizes[len(sizes):] == [8], faultproxy.batch_sizes
+
+
 def test_exclude_last_idle_flush_and_close(dynalite, ddb_table, daemon_factory):
     idle = 1500
     d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "50", "--idle-ms",
