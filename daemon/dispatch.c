@@ -1393,23 +1393,32 @@ bad:
 	return NULL;
 }
 
-/* Whether remote, a conversation built from DynamoDB's items, is ahead of the local store's
- * copy of it: that copy is missing (or cannot be read), or DynamoDB has a message it lacks,
- * or a newer version of one. A copy with nothing left to send is in DynamoDB whole, so
- * DynamoDB's is then the same log, or one that went on from it on another host. Items
- * missing from DynamoDB (expired ones) do not make it ahead. */
+/* Whether remote, a conversation built from DynamoDB's items, is to be taken instead of the
+ * local store's copy of it: that copy is missing (or cannot be read), or DynamoDB holds it
+ * whole (every message, at its version or a newer one) and more (a message it lacks, or a
+ * newer version of one). A copy with nothing left to send is in DynamoDB whole, unless
+ * items expired there: then DynamoDB's log is not taken, even when it went on (logged), as
+ * the store would keep the messages it lacks and give them back at the next start. */
 static bool remote_ahead(struct dispatch *d, const struct convo *remote)
 {
 	struct convo *local = NULL;
-	bool ahead = false;
+	bool ahead = false, lacks = false;
 
 	if (!d->store || store_load_conversation(d->store, remote->id, remote->id_len, &local) < 0)
 		return true;
-	for (size_t i = 0; i < remote->nlog && !ahead; i++) {
-		const struct message *m = remote->log[i];
-		long k = convo_find(local, m->id, strlen(m->id));
-		ahead = k < 0 || m->version > local->log[k]->version;
+	for (size_t i = 0; i < local->nlog && !lacks; i++) {
+		const struct message *m = local->log[i];
+		long k = convo_find(remote, m->id, strlen(m->id));
+		lacks = k < 0 || remote->log[k]->version < m->version;
+		ahead = ahead || (k >= 0 && remote->log[k]->version > m->version);
 	}
+	ahead = !lacks && (ahead || remote->nlog > local->nlog);
+	if (lacks && remote->nlog > 0)
+		log_msg(LOG_WARN, "sink",
+		        "conversation %.*s: DynamoDB lacks messages or versions of the local copy "
+		        "(expired items, a dead-lettered change); "
+		        "the local copy is used",
+		        (int)(remote->id_len > 64 ? 64 : remote->id_len), remote->id);
 	convo_free(local);
 	return ahead;
 }

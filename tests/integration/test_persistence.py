@@ -1503,6 +1503,39 @@ def test_moved_to_another_host_and_back(faultproxy, dynalite, ddb_table, daemon_
     faultproxy.set_down(False)
 
 
+def test_moved_back_when_dynamodb_lacks_messages(dynalite, ddb_table, daemon_factory):
+    """Items expired in DynamoDB (--expires-days) while the conversation went on on B: A's
+    store holds messages DynamoDB's log lacks, so A keeps its own copy (and says so) rather
+    than serve DynamoDB's and then, after a restart, the store's union of both."""
+    conv = "moving-expired"
+    a = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    ca = a.connect()
+    ids = [ca.ok({"op": "add_" + role, "conversation": conv, "contents": t})["message"]["id"]
+           for role, t in (("user", "one"), ("assistant", "r1"), ("user", "two"),
+                           ("assistant", "r2"), ("user", "three"))]
+    ca.ok({"op": "close", "conversation": conv})
+    wait_drained(ca)
+    assert a.stop() == 0
+    for sk in ids[2:4]:
+        ddb.request(dynalite, "DeleteItem", {"TableName": ddb_table, "Key": {
+            "conversation": {"S": conv}, "sk": {"S": sk}}})
+    b = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    cb = b.connect()
+    cb.ok({"op": "add_assistant", "conversation": conv, "contents": "r3 on B"})
+    cb.ok({"op": "close", "conversation": conv})
+    wait_drained(cb)
+    assert b.stop() == 0
+    a.start()
+    ca = a.connect()
+    mine = [["one"], ["r1"], ["two"], ["r2"], ["three"]]
+    assert [m["message"]["contents"] for m in full_log(ca, conv)] == mine
+    assert "DynamoDB lacks messages or versions of the local copy" in a.log()
+    assert a.stop() == 0
+    a.start()
+    ca = a.connect()
+    assert [m["message"]["contents"] for m in full_log(ca, conv)] == mine
+
+
 def test_restore_unavailable_while_dynamodb_down(faultproxy, dynalite, ddb_table, daemon_factory):
     """A read of an unknown conversation while DynamoDB cannot be asked: unavailable (it may
     exist there), not not_found; once it is back, the conversation is restored."""
