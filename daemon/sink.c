@@ -39,21 +39,29 @@
 /* The statistics' count of the spool's bytes goes this many rows a slice (about 1 ms). */
 #define BYTES_SLICE_ROWS 8192
 
-/* A BatchWriteItem sent whole and left without a clear answer (none before the timeout,
- * a broken connection, a 5xx, an unreadable 200) may still be applied by DynamoDB later,
- * after a newer version of one of its messages was written and confirmed: the older
- * version would then stay in DynamoDB for ever (persistence.md, promise 3). So each of its
- * messages is looked at again REPAIR_TIMEOUTS request timeouts after the call ended, when
- * that late write can be taken to have landed or never to land, and written again then if
- * the store holds a newer version than the one that call carried. In memory only: a restart
- * forgets them. At most REPAIR_MAX wait at a time (the newest are let go). */
+/* A BatchWriteItem sent whole and left without an answer (none before the timeout, a
+ * broken connection) or with a 5xx may still be applied by DynamoDB later, after a newer
+ * version of one of its messages was written and confirmed: the older version would then
+ * stay in DynamoDB for ever (persistence.md, promise 3). So each of its messages is looked
+ * at again REPAIR_TIMEOUTS request timeouts after the call ended, when that late write can
+ * be taken to have landed or never to land: when the store holds a newer version than the
+ * call carried, that version is written with a PutItem on the condition that DynamoDB's
+ * version is no newer than the call's (the late write landed, or nothing newer is there).
+ * So a newer version written since, by this host or by another one the conversation moved
+ * to, is never overwritten. A repair that fails is tried REPAIR_TRIES times in all. In
+ * memory only: a restart forgets them. At most REPAIR_MAX wait at a time (later ones are
+ * let go, counted and logged). */
 #define REPAIR_TIMEOUTS 3
 #define REPAIR_MAX 65536
+#define REPAIR_TRIES 5
 
 struct repair {
 	struct repair *next;
+	struct sink *s;
 	uint64_t due_ms;  /* loop time */
 	uint32_t version; /* what the unanswered call carried */
+	uint32_t sending; /* the version of the PutItem in flight */
+	unsigned tries;
 	char sk[DDBITEM_SK_MAX + 1];
 	size_t conv_len;
 	char conv[]; /* conv_len bytes and a NUL */
@@ -212,6 +220,19 @@ static int64_t wall_ms(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);
 	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* An item's expiry (Unix s, 0 none): from the write, or from the message's last change
+ * (updated, Unix ms) when the wall clock is behind it (set back: items written then must
+ * not expire days early). */
+static int64_t item_expires(const struct sink *s, int64_t updated)
+{
+	int64_t now_ms;
+
+	if (!s->cfg.expires_days)
+		return 0;
+	now_ms = wall_ms();
+	return (now_ms > updated ? now_ms : updated) / 1000 + (int64_t)s->cfg.expires_days * 86400;
 }
 
 static uint64_t rng_next(struct sink *s)
@@ -744,8 +765,11 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 			continue;
 		}
 		r->next = NULL;
+		r->s = s;
 		r->due_ms = now + (uint64_t)REPAIR_TIMEOUTS * (uint64_t)s->cfg.request_timeout_ms;
 		r->version = b->version[i];
+		r->sending = 0;
+		r->tries = 0;
 		memcpy(r->sk, e->sk, sizeof(r->sk));
 		r->conv_len = e->conv->len;
 		memcpy(r->conv, e->conv->id, e->conv->len + 1);
@@ -758,10 +782,94 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 	}
 }
 
-/* The repairs due by now: a message the store holds a newer version of than the
- * unanswered call carried is written again (a new entry, or the one waiting already).
- * One whose newer version is in flight right now is looked at again a timeout later: that
- * write may have left before the late one landed. */
+static void repair_queue(struct sink *s, struct repair *r, uint64_t due_ms)
+{
+	r->next = NULL;
+	r->due_ms = due_ms;
+	if (s->repair_tail)
+		s->repair_tail->next = r;
+	else
+		s->repair_head = r;
+	s->repair_tail = r;
+	s->nrepairs++;
+}
+
+static void pump(struct sink *s);
+
+static void on_repair_done(const struct ddbclient_result *res, void *arg)
+{
+	struct repair *r = arg;
+	struct sink *s = r->s;
+	char type[128], message[192];
+	uint64_t now;
+
+	if (res->canceled || s->finishing) {
+		free(r);
+		return;
+	}
+	now = uv_now(s->loop);
+	if (res->status == 200) {
+		s->repaired++;
+		log_msg(LOG_INFO, SUBSYS,
+		        "conversation \"%.*s\" message %s: version %" PRIu32
+		        " written again over the late write of version %" PRIu32,
+		        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk, r->sending,
+		        r->version);
+		free(r);
+		return;
+	}
+	if (res->status == 400 &&
+	    ddbitem_error_parse(res->body, res->body_len, type, sizeof(type), message,
+	                        sizeof(message)) == 0 &&
+	    strcmp(type, "ConditionalCheckFailedException") == 0) {
+		/* DynamoDB holds a newer version than the late write: nothing to repair. */
+		free(r);
+		return;
+	}
+	if (++r->tries < REPAIR_TRIES) {
+		repair_queue(s, r, now + backoff_ms(s, r->tries));
+		pump(s);
+		return;
+	}
+	log_msg(LOG_WARN, SUBSYS,
+	        "conversation \"%.*s\" message %s: could not check for a late write of version "
+	        "%" PRIu32 " (PutItem: HTTP %ld); the message stays as DynamoDB holds it",
+	        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk, r->version,
+	        res->status);
+	s->repairs_dropped++;
+	free(r);
+}
+
+/* Sends r's conditional PutItem of version (map, updated) of its message. 0 or -errno. */
+static int repair_send(struct sink *s, struct repair *r, const json_t *map, uint32_t version,
+                       int64_t updated)
+{
+	json_t *item = NULL, *req = NULL;
+	char vtext[16], *body = NULL;
+	size_t len = 0;
+	struct error err;
+	int rc = -ENOMEM;
+
+	snprintf(vtext, sizeof(vtext), "%" PRIu32, r->version);
+	if (ddbitem_from_map(r->conv, map, version, updated, item_expires(s, updated), &item,
+	                     &err) != ERR_OK)
+		return -EINVAL;
+	req = json_pack("{s:s, s:o, s:s, s:{s:s}, s:{s:{s:s}}}", "TableName", s->table, "Item",
+	                item, "ConditionExpression", "attribute_not_exists(#v) OR #v <= :v",
+	                "ExpressionAttributeNames", "#v", "version", "ExpressionAttributeValues",
+	                ":v", "N", vtext);
+	if (req && (body = json_text(req, &len))) {
+		r->sending = version;
+		rc = ddbclient_call(s->client, "PutItem", body, len, on_repair_done, r);
+	}
+	free(body);
+	json_decref(req);
+	return rc;
+}
+
+/* The repairs due by now. A message that has an entry waiting goes out through it (its
+ * write is due after the late one); one whose entry is in flight is looked at again a
+ * timeout later (that write may have left before the late one landed). */
 static void repairs_run(struct sink *s, uint64_t now)
 {
 	struct repair *r;
@@ -779,27 +887,28 @@ static void repairs_run(struct sink *s, uint64_t now)
 		if (!s->repair_head)
 			s->repair_tail = NULL;
 		s->nrepairs--;
-		rc = store_message_get(s->store, r->conv, r->conv_len, r->sk, &map, &version,
-		                       &updated);
-		json_decref(map);
-		if (rc == 0 && version > r->version) {
-			if ((c = conv_find(s, r->conv, r->conv_len, hash)))
-				e = entry_find(s, c, r->sk);
-			if (e && e->state == ENTRY_INFLIGHT) {
-				r->next = NULL;
-				r->due_ms = now + (uint64_t)s->cfg.request_timeout_ms;
-				if (s->repair_tail)
-					s->repair_tail->next = r;
-				else
-					s->repair_head = r;
-				s->repair_tail = r;
-				s->nrepairs++;
-				continue;
-			}
-			if (!e &&
-			    sink_enqueue(s, r->conv, r->conv_len, r->sk, version, wall_ms()) == 0)
-				s->repaired++;
+		if ((c = conv_find(s, r->conv, r->conv_len, hash)))
+			e = entry_find(s, c, r->sk);
+		if (e && e->state == ENTRY_INFLIGHT) {
+			repair_queue(s, r, now + (uint64_t)s->cfg.request_timeout_ms);
+			continue;
 		}
+		rc = e ? -EEXIST
+		       : store_message_get(s->store, r->conv, r->conv_len, r->sk, &map, &version,
+		                           &updated);
+		if (rc == 0 && version > r->version) {
+			rc = repair_send(s, r, map, version, updated);
+			if (rc == 0)
+				r = NULL;
+			else if (rc != -EINVAL && ++r->tries < REPAIR_TRIES) {
+				repair_queue(s, r, now + backoff_ms(s, r->tries));
+				r = NULL;
+			}
+		} else if (rc < 0 && rc != -ENOENT && rc != -EEXIST && ++r->tries < REPAIR_TRIES) {
+			repair_queue(s, r, now + backoff_ms(s, r->tries)); /* the store failed */
+			r = NULL;
+		}
+		json_decref(map);
 		free(r);
 	}
 }
@@ -896,7 +1005,7 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 	    ERR_OK) {
 		snprintf(why, sizeof(why), "BatchWriteItem: unreadable answer: %.200s",
 		         err.message);
-		batch_retry(s, b, why, now, true);
+		batch_retry(s, b, why, now, false); /* answered: nothing can land later */
 		return;
 	}
 	json_array_foreach(unprocessed, i, it)
@@ -916,7 +1025,7 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 			/* Not one of ours: which item was left out is unknown, so all are. */
 			json_decref(unprocessed);
 			batch_retry(s, b, "BatchWriteItem: UnprocessedItems names an item not sent",
-			            now, true);
+			            now, false);
 			return;
 		}
 	}
@@ -960,7 +1069,7 @@ static int entry_item(struct sink *s, struct entry *e, uint64_t now, json_t **it
                       uint32_t *version)
 {
 	json_t *map = NULL;
-	int64_t updated = 0, expires = 0;
+	int64_t updated = 0;
 	struct error err;
 	enum error_code ec;
 	int rc;
@@ -984,14 +1093,8 @@ static int entry_item(struct sink *s, struct entry *e, uint64_t now, json_t **it
 		        *version, e->wanted);
 		e->wanted = *version;
 	}
-	/* From the write, or from the message's last change when the wall clock is behind it
-	 * (set back: items written then must not expire days early). */
-	if (s->cfg.expires_days) {
-		int64_t now_ms = wall_ms();
-		expires = (now_ms > updated ? now_ms : updated) / 1000 +
-		          (int64_t)s->cfg.expires_days * 86400;
-	}
-	ec = ddbitem_from_map(e->conv->id, map, *version, updated, expires, item, &err);
+	ec = ddbitem_from_map(e->conv->id, map, *version, updated, item_expires(s, updated), item,
+	                      &err);
 	json_decref(map);
 	if (ec == ERR_INTERNAL) {
 		set_last_error(s, "building an item: %s", err.message);

@@ -524,6 +524,44 @@ def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_tab
     assert stats(c)["sink"]["repaired"] == 1
 
 
+def test_repair_never_overwrites_a_newer_version(faultproxy, dynalite, ddb_table,
+                                                 daemon_factory):
+    """A repair writes on a condition: DynamoDB's version no newer than the unanswered
+    call's. Here that call (a 503) never reached DynamoDB; A then wrote version 2, and B,
+    which the conversation moved to, version 3 before the repair came due: the repair
+    leaves version 3 alone (sink.repaired stays 0), where an unconditional one wrote A's
+    version 2 over it."""
+    timeout = int(700 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
+    conv = "repair-move"
+    a = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "50",
+                        "--request-timeout-ms", str(timeout), "--retry-base-ms", "20",
+                        "--retry-max-ms", "100"], env=ddb_env(faultproxy.url))
+    ca = a.connect()
+    faultproxy.push("503", n=1, op="BatchWriteItem")
+    t0 = time.monotonic()
+    ca.ok({"op": "add_user", "conversation": conv, "contents": "hello"})
+    aid = ca.ok({"op": "add_assistant", "conversation": conv, "contents": "v1"})["message"]["id"]
+    ca.ok({"op": "flush", "conversation": conv})
+    wait_drained(ca)
+    ca.ok({"op": "add_assistant", "conversation": conv, "contents": "v2 on A"})
+    ca.ok({"op": "close", "conversation": conv})
+    wait_drained(ca)
+    b = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    cb = b.connect()
+    cb.ok({"op": "add_assistant", "conversation": conv, "contents": "v3 on B"})
+    cb.ok({"op": "close", "conversation": conv})
+    wait_drained(cb)
+    assert b.stop() == 0
+    puts = lambda: sum(1 for op, _ in faultproxy.log if op == "PutItem")  # noqa: E731
+    if time.monotonic() - t0 > 3 * timeout / 1000.0:
+        pytest.skip("too slow here: the repair came due before B wrote")
+    wait_until(lambda: puts() == 1, 10 + 3 * timeout / 1000.0, "the repair's PutItem")
+    time.sleep(0.3)
+    it = ddb.from_item(ddb.get_item(dynalite, ddb_table, conv, aid))
+    assert it["version"] == 3 and it["message"]["contents"] == ["v1", "v2 on A", "v3 on B"], it
+    assert stats(ca)["sink"]["repaired"] == 0
+
+
 def test_batch_over_the_request_timeout_is_split(faultproxy, dynalite, ddb_table,
                                                  daemon_factory):
     """A BatchWriteItem over --request-timeout-ms (a link too slow for a big batch) is not
