@@ -159,7 +159,8 @@ struct sink {
 	bool reloaded;
 
 	uint64_t writes_sent, confirmed, retried, dead_lettered, failures, unprocessed;
-	/* repairs due, in due order (a FIFO: the delay is fixed) */
+	/* repairs, in the order they were queued: by due time, but for one queued again with a
+	 * shorter delay, which waits behind those before it (later, never lost) */
 	struct repair *repair_head, *repair_tail;
 	size_t nrepairs;
 	uint64_t repaired, repairs_dropped;
