@@ -745,6 +745,18 @@ static void batch_free(struct batch *b)
 	free(b);
 }
 
+static void repair_queue(struct sink *s, struct repair *r, uint64_t due_ms)
+{
+	r->next = NULL;
+	r->due_ms = due_ms;
+	if (s->repair_tail)
+		s->repair_tail->next = r;
+	else
+		s->repair_head = r;
+	s->repair_tail = r;
+	s->nrepairs++;
+}
+
 /* The messages of b, whose call may still be applied, are looked at again later. */
 static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 {
@@ -765,34 +777,16 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 			s->repairs_dropped++;
 			continue;
 		}
-		r->next = NULL;
 		r->s = s;
-		r->due_ms = now + (uint64_t)REPAIR_TIMEOUTS * (uint64_t)s->cfg.request_timeout_ms;
 		r->version = b->version[i];
 		r->sending = 0;
 		r->tries = 0;
 		memcpy(r->sk, e->sk, sizeof(r->sk));
 		r->conv_len = e->conv->len;
 		memcpy(r->conv, e->conv->id, e->conv->len + 1);
-		if (s->repair_tail)
-			s->repair_tail->next = r;
-		else
-			s->repair_head = r;
-		s->repair_tail = r;
-		s->nrepairs++;
+		repair_queue(s, r,
+		             now + (uint64_t)REPAIR_TIMEOUTS * (uint64_t)s->cfg.request_timeout_ms);
 	}
-}
-
-static void repair_queue(struct sink *s, struct repair *r, uint64_t due_ms)
-{
-	r->next = NULL;
-	r->due_ms = due_ms;
-	if (s->repair_tail)
-		s->repair_tail->next = r;
-	else
-		s->repair_head = r;
-	s->repair_tail = r;
-	s->nrepairs++;
 }
 
 static void pump(struct sink *s);

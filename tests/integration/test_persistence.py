@@ -546,12 +546,7 @@ def test_repair_never_overwrites_a_newer_version(faultproxy, dynalite, ddb_table
     ca.ok({"op": "add_assistant", "conversation": conv, "contents": "v2 on A"})
     ca.ok({"op": "close", "conversation": conv})
     wait_drained(ca)
-    b = ddb_daemon(daemon_factory, dynalite, ddb_table)
-    cb = b.connect()
-    cb.ok({"op": "add_assistant", "conversation": conv, "contents": "v3 on B"})
-    cb.ok({"op": "close", "conversation": conv})
-    wait_drained(cb)
-    assert b.stop() == 0
+    go_on_elsewhere(daemon_factory, dynalite, ddb_table, conv, [("add_assistant", "v3 on B")])
     puts = lambda: sum(1 for op, _ in faultproxy.log if op == "PutItem")  # noqa: E731
     if time.monotonic() - t0 > 3 * timeout / 1000.0:
         pytest.skip("too slow here: the repair came due before B wrote")
@@ -1426,6 +1421,21 @@ def test_unusable_state_dir(tmp_path, daemon_factory):
 # --- 9. restore from DynamoDB -------------------------------------------------------------
 
 
+def go_on_elsewhere(daemon_factory, dynalite, table, conv, adds):
+    """Another host (its own state dir) restores conv from DynamoDB, makes the adds
+    ((op, text) pairs), closes it, waits until DynamoDB has all of it, and stops. Returns
+    its full log."""
+    b = ddb_daemon(daemon_factory, dynalite, table)
+    cb = b.connect()
+    for op, text in adds:
+        cb.ok({"op": op, "conversation": conv, "contents": text})
+    cb.ok({"op": "close", "conversation": conv})
+    wait_drained(cb)
+    log = full_log(cb, conv)
+    assert b.stop() == 0
+    return log
+
+
 def test_restore_from_dynamodb(dynalite, ddb_table, daemon_factory):
     a = ddb_daemon(daemon_factory, dynalite, ddb_table)
     ca = a.connect()
@@ -1496,16 +1506,10 @@ def test_moved_to_another_host_and_back(faultproxy, dynalite, ddb_table, daemon_
     wait_drained(ca)
     assert a.stop() == 0
 
-    b = ddb_daemon(daemon_factory, dynalite, ddb_table)
-    cb = b.connect()
-    cb.ok({"op": "add_assistant", "conversation": conv, "contents": "And for when?"})
-    cb.ok({"op": "add_user", "conversation": conv, "contents": "four, tonight"})
-    cb.ok({"op": "close", "conversation": conv})
-    wait_drained(cb)
-    on_b = full_log(cb, conv)
+    on_b = go_on_elsewhere(daemon_factory, dynalite, ddb_table, conv,
+                           [("add_assistant", "And for when?"), ("add_user", "four, tonight")])
     assert [m["message"]["contents"] for m in on_b] == [
         ["book a table"], ["For how many?", "And for when?"], ["four, tonight"]]
-    assert b.stop() == 0
 
     a.start()
     ca = a.connect()
@@ -1557,12 +1561,7 @@ def test_moved_back_when_dynamodb_lacks_messages(dynalite, ddb_table, daemon_fac
     for sk in ids[2:4]:
         ddb.request(dynalite, "DeleteItem", {"TableName": ddb_table, "Key": {
             "conversation": {"S": conv}, "sk": {"S": sk}}})
-    b = ddb_daemon(daemon_factory, dynalite, ddb_table)
-    cb = b.connect()
-    cb.ok({"op": "add_assistant", "conversation": conv, "contents": "r3 on B"})
-    cb.ok({"op": "close", "conversation": conv})
-    wait_drained(cb)
-    assert b.stop() == 0
+    go_on_elsewhere(daemon_factory, dynalite, ddb_table, conv, [("add_assistant", "r3 on B")])
     a.start()
     ca = a.connect()
     mine = [["one"], ["r1"], ["two"], ["r2"], ["three"]]
