@@ -388,11 +388,10 @@ static void request_finish(struct ddbclient *c, struct request *r, CURLcode code
 		res.error = r->errbuf[0] ? r->errbuf : curl_easy_strerror(code);
 		res.timed_out = code == CURLE_OPERATION_TIMEDOUT;
 	}
+	if (curl_easy_getinfo(r->easy, CURLINFO_SIZE_UPLOAD_T, &up) == CURLE_OK && up > 0)
+		res.uploaded = (uint64_t)up;
 	/* The whole body left: the server may have acted on it, answer or not. */
-	res.sent =
-	    !canceled && (res.status != 0 ||
-	                  (curl_easy_getinfo(r->easy, CURLINFO_SIZE_UPLOAD_T, &up) == CURLE_OK &&
-	                   up >= (curl_off_t)r->body_len));
+	res.sent = !canceled && (res.status != 0 || res.uploaded >= r->body_len);
 	if (curl_easy_getinfo(r->easy, CURLINFO_NUM_CONNECTS, &conns) == CURLE_OK)
 		res.new_connections = conns;
 	res.body = r->resp && r->resp_len ? r->resp : "";

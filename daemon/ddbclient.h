@@ -39,6 +39,7 @@ struct ddbclient_result {
 	bool timed_out;        /* the transport failed on a connect or request timeout */
 	bool canceled;         /* ddbclient_close ended the request; status is 0 */
 	bool sent;             /* the whole request left (the server may have acted on it) */
+	uint64_t uploaded;     /* bytes of the body that left */
 	const char *body;      /* the answer, NUL-terminated ("" when none) */
 	size_t body_len;
 	const char *request_id; /* x-amzn-RequestId ("" when none) */

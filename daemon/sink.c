@@ -162,7 +162,7 @@ struct sink {
 	/* repairs, in the order they were queued: by due time, but for one queued again with a
 	 * shorter delay, which waits behind those before it (later, never lost) */
 	struct repair *repair_head, *repair_tail;
-	size_t nrepairs;
+	size_t nrepairs, repairs_inflight;
 	uint64_t repaired, repairs_dropped;
 	char last_error[LAST_ERROR_MAX];
 	uint32_t lat[LATENCY_SAMPLES];
@@ -791,18 +791,36 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 
 static void pump(struct sink *s);
 
+/* r could not be done now: tried again later, or given up (logged, counted) after
+ * REPAIR_TRIES tries, or at once when permanent. */
+static void repair_failed(struct sink *s, struct repair *r, uint64_t now, bool permanent,
+                          const char *why)
+{
+	if (!permanent && ++r->tries < REPAIR_TRIES) {
+		repair_queue(s, r, now + backoff_ms(s, r->tries));
+		return;
+	}
+	s->repairs_dropped++;
+	log_msg(LOG_WARN, SUBSYS,
+	        "conversation \"%.*s\" message %s: cannot look at it again after a write of "
+	        "version %" PRIu32 " without an answer (%s); if that write lands late, DynamoDB "
+	        "keeps it",
+	        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk, r->version, why);
+	free(r);
+}
+
 static void on_repair_done(const struct ddbclient_result *res, void *arg)
 {
 	struct repair *r = arg;
 	struct sink *s = r->s;
-	char type[128], message[192];
-	uint64_t now;
+	char type[128], message[192], why[LAST_ERROR_MAX];
+	enum outcome out;
 
+	s->repairs_inflight--;
 	if (res->canceled || s->finishing) {
 		free(r);
 		return;
 	}
-	now = uv_now(s->loop);
 	if (res->status == 200) {
 		s->repaired++;
 		log_msg(LOG_INFO, SUBSYS,
@@ -811,28 +829,18 @@ static void on_repair_done(const struct ddbclient_result *res, void *arg)
 		        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk, r->sending,
 		        r->version);
 		free(r);
-		return;
+	} else if (res->status == 400 &&
+	           ddbitem_error_parse(res->body, res->body_len, type, sizeof(type), message,
+	                               sizeof(message)) == 0 &&
+	           strcmp(type, "ConditionalCheckFailedException") == 0) {
+		free(r); /* DynamoDB holds a newer version than the late write: nothing to do */
+	} else {
+		out = classify(res, why, sizeof(why));
+		if (out == OUT_CREDENTIALS)
+			maybe_reload_credentials(s);
+		repair_failed(s, r, uv_now(s->loop), out == OUT_PERMANENT, why);
 	}
-	if (res->status == 400 &&
-	    ddbitem_error_parse(res->body, res->body_len, type, sizeof(type), message,
-	                        sizeof(message)) == 0 &&
-	    strcmp(type, "ConditionalCheckFailedException") == 0) {
-		/* DynamoDB holds a newer version than the late write: nothing to repair. */
-		free(r);
-		return;
-	}
-	if (++r->tries < REPAIR_TRIES) {
-		repair_queue(s, r, now + backoff_ms(s, r->tries));
-		pump(s);
-		return;
-	}
-	log_msg(LOG_WARN, SUBSYS,
-	        "conversation \"%.*s\" message %s: could not check for a late write of version "
-	        "%" PRIu32 " (PutItem: HTTP %ld); the message stays as DynamoDB holds it",
-	        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk, r->version,
-	        res->status);
-	s->repairs_dropped++;
-	free(r);
+	pump(s);
 }
 
 /* Sends r's conditional PutItem of version (map, updated) of its message. 0 or -errno. */
@@ -856,26 +864,31 @@ static int repair_send(struct sink *s, struct repair *r, const json_t *map, uint
 	if (req && (body = json_text(req, &len))) {
 		r->sending = version;
 		rc = ddbclient_call(s->client, "PutItem", body, len, on_repair_done, r);
+		if (rc == 0)
+			s->repairs_inflight++;
 	}
 	free(body);
 	json_decref(req);
 	return rc;
 }
 
-/* The repairs due by now. A message that has an entry waiting goes out through it (its
- * write is due after the late one); one whose entry is in flight is looked at again a
- * timeout later (that write may have left before the late one landed). */
+/* The repairs due by now, with at most max_batches_inflight PutItems in flight. A message
+ * that has an entry waiting goes out through it (its write is due after the late one); one
+ * whose entry is in flight is looked at again a timeout later (that write may have left
+ * before the late one landed). */
 static void repairs_run(struct sink *s, uint64_t now)
 {
 	struct repair *r;
 
-	while ((r = s->repair_head) && r->due_ms <= now) {
+	while ((r = s->repair_head) && r->due_ms <= now &&
+	       s->repairs_inflight < s->cfg.max_batches_inflight) {
 		json_t *map = NULL;
 		uint32_t version = 0;
 		int64_t updated = 0;
 		uint64_t hash = hash_bytes(s->hash_seed, r->conv, r->conv_len);
 		struct conv *c;
 		struct entry *e = NULL;
+		char why[64];
 		int rc;
 
 		s->repair_head = r->next;
@@ -888,23 +901,23 @@ static void repairs_run(struct sink *s, uint64_t now)
 			repair_queue(s, r, now + (uint64_t)s->cfg.request_timeout_ms);
 			continue;
 		}
-		rc = e ? -EEXIST
-		       : store_message_get(s->store, r->conv, r->conv_len, r->sk, &map, &version,
-		                           &updated);
-		if (rc == 0 && version > r->version) {
-			rc = repair_send(s, r, map, version, updated);
-			if (rc == 0)
-				r = NULL;
-			else if (rc != -EINVAL && ++r->tries < REPAIR_TRIES) {
-				repair_queue(s, r, now + backoff_ms(s, r->tries));
-				r = NULL;
-			}
-		} else if (rc < 0 && rc != -ENOENT && rc != -EEXIST && ++r->tries < REPAIR_TRIES) {
-			repair_queue(s, r, now + backoff_ms(s, r->tries)); /* the store failed */
-			r = NULL;
+		if (e) {
+			free(r);
+			continue;
 		}
+		rc = store_message_get(s->store, r->conv, r->conv_len, r->sk, &map, &version,
+		                       &updated);
+		if (rc == 0 && version > r->version)
+			rc = repair_send(s, r, map, version, updated);
+		else if (rc == 0 || rc == -ENOENT)
+			rc = 1; /* nothing newer (or nothing at all) to write */
 		json_decref(map);
-		free(r);
+		if (rc == 1) {
+			free(r);
+		} else if (rc < 0) {
+			snprintf(why, sizeof(why), "%s", strerror(-rc));
+			repair_failed(s, r, now, rc == -EINVAL, why);
+		}
 	}
 }
 
@@ -983,7 +996,9 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 		batch_permanent(s, b, why);
 		return;
 	case OUT_RETRY:
-		if (res->timed_out && b->n > 1) {
+		/* (Not a connect timeout: nothing of the call went out.) */
+		if (res->timed_out && res->uploaded > 0 && b->n > 1 &&
+		    (s->timeout_cap == 0 || b->n / 2 < s->timeout_cap)) {
 			if (s->timeout_cap == 0)
 				log_msg(
 				    LOG_WARN, SUBSYS,
@@ -1209,7 +1224,8 @@ static void arm_timer(struct sink *s, uint64_t now)
 		if (s->fail_streak && s->gate_ms > due)
 			due = s->gate_ms;
 	}
-	if (s->repair_head && s->repair_head->due_ms < due)
+	if (s->repair_head && s->repairs_inflight < s->cfg.max_batches_inflight &&
+	    s->repair_head->due_ms < due)
 		due = s->repair_head->due_ms;
 	if (due == UINT64_MAX) {
 		uv_timer_stop(&s->timer);
@@ -1965,6 +1981,15 @@ static void on_close_timer(uv_timer_t *t)
 		        "stopping with %zu write%s not confirmed; they stay in the spool for the "
 		        "next start",
 		        s->depth, s->depth == 1 ? "" : "s");
+	if (s->nrepairs + s->repairs_inflight > 0) {
+		s->repairs_dropped += s->nrepairs + s->repairs_inflight;
+		log_msg(LOG_WARN, SUBSYS,
+		        "stopping with %zu message%s not looked at again after a write without an "
+		        "answer: if that write lands late, DynamoDB keeps its older version (a "
+		        "restart does not look again)",
+		        s->nrepairs + s->repairs_inflight,
+		        s->nrepairs + s->repairs_inflight == 1 ? "" : "s");
+	}
 	uv_timer_stop(&s->timer);
 	/* In-flight calls, batches and jobs alike, end canceled inside ddbclient_close. */
 	if (s->client)

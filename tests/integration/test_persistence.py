@@ -486,22 +486,11 @@ def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_tab
     daemon writes the newer version again (sink.repaired); a message that did not change
     since is left alone."""
     timeout = 400
-    d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "600000",
-                        "--request-timeout-ms", str(timeout), "--retry-base-ms", "20",
-                        "--retry-max-ms", "100"], env=ddb_env(faultproxy.url))
-    c = d.connect()
     conv = "late-write"
-    faultproxy.push("slow", n=1, op="BatchWriteItem", ms=2 * timeout)
-    u1 = c.ok({"op": "add_user", "conversation": conv, "contents": "hello"})["message"]["id"]
-    a1 = c.ok({"op": "add_assistant", "conversation": conv,
-               "contents": "v1 text"})["message"]["id"]
-    t0 = time.monotonic()
-    c.ok({"op": "flush", "conversation": conv})
-    time.sleep(0.1)
-    r = c.ok({"op": "add_assistant", "conversation": conv, "contents": "v2 text"})
-    assert r["merged"] and r["message"]["id"] == a1
-    c.ok({"op": "flush", "conversation": conv})
-    wait_drained(c)
+    d, c, a1, t0 = stage_late_write(faultproxy, daemon_factory, ddb_table, conv, timeout,
+                                    2 * timeout)
+    u1 = c.ok({"op": "to_messages_map", "conversation": conv,
+               "incremental": False})["messages"][0]["id"]
 
     def contents():
         item = ddb.get_item(dynalite, ddb_table, conv, a1)
@@ -522,6 +511,55 @@ def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_tab
     # Nothing more is repaired later.
     time.sleep(4 * timeout / 1000.0)
     assert stats(c)["sink"]["repaired"] == 1
+
+
+def stage_late_write(faultproxy, daemon_factory, table, conv, timeout, slow_ms):
+    """A daemon behind faultproxy whose first BatchWriteItem (hello, v1 text) is held by the
+    proxy for slow_ms, past --request-timeout-ms timeout, then forwarded; meanwhile v1 text
+    merges to version 2, which is written and confirmed. Returns (daemon, connection, id
+    of the merged message, monotonic time of the first flush)."""
+    d = daemon_factory(["--dynamodb-table", table, "--flush-interval", "600000",
+                        "--request-timeout-ms", str(timeout), "--retry-base-ms", "20",
+                        "--retry-max-ms", "100"], env=ddb_env(faultproxy.url))
+    c = d.connect()
+    faultproxy.push("slow", n=1, op="BatchWriteItem", ms=slow_ms)
+    c.ok({"op": "add_user", "conversation": conv, "contents": "hello"})
+    a1 = c.ok({"op": "add_assistant", "conversation": conv,
+               "contents": "v1 text"})["message"]["id"]
+    t0 = time.monotonic()
+    c.ok({"op": "flush", "conversation": conv})
+    time.sleep(0.1)
+    r = c.ok({"op": "add_assistant", "conversation": conv, "contents": "v2 text"})
+    assert r["merged"] and r["message"]["id"] == a1
+    c.ok({"op": "flush", "conversation": conv})
+    wait_drained(c)
+    return d, c, a1, t0
+
+
+def test_repair_refused_for_good_is_not_retried(faultproxy, dynalite, ddb_table,
+                                                 daemon_factory):
+    """A repair's PutItem refused for good (a ValidationException) is given up at once, and
+    said so; it was sent five times."""
+    timeout = 400
+    faultproxy.push("validation", n=10, op="PutItem")
+    d, c, _, _ = stage_late_write(faultproxy, daemon_factory, ddb_table, "repair-refused",
+                                  timeout, 2 * timeout)
+    wait_until(lambda: "cannot look at it again" in d.log(), 10 + 3 * timeout / 1000.0,
+               "the repair given up")
+    time.sleep(0.5)
+    assert sum(1 for op, _ in faultproxy.log if op == "PutItem") == 1, faultproxy.log
+    assert "ValidationException" in d.log() and stats(c)["sink"]["repaired"] == 0
+
+
+def test_stop_says_which_repairs_it_drops(faultproxy, dynalite, ddb_table, daemon_factory):
+    """A stop before a repair is due cannot do it (nor can a restart: repairs are kept in
+    memory only): it says so in the log."""
+    d, c, _, _ = stage_late_write(faultproxy, daemon_factory, ddb_table, "repair-stop",
+                                  int(400 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))),
+                                  800)
+    assert d.stop() == 0
+    assert "stopping with 2 messages not looked at again after a write without an answer" \
+        in d.log(), d.log()
 
 
 def test_repair_never_overwrites_a_newer_version(faultproxy, dynalite, ddb_table,
