@@ -554,9 +554,9 @@ def test_repair_refused_for_good_is_not_retried(faultproxy, dynalite, ddb_table,
 def test_stop_says_which_repairs_it_drops(faultproxy, dynalite, ddb_table, daemon_factory):
     """A stop before a repair is due cannot do it (nor can a restart: repairs are kept in
     memory only): it says so in the log."""
+    timeout = int(400 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
     d, c, _, _ = stage_late_write(faultproxy, daemon_factory, ddb_table, "repair-stop",
-                                  int(400 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))),
-                                  800)
+                                  timeout, 2 * timeout)
     assert d.stop() == 0
     assert "stopping with 2 messages not looked at again after a write without an answer" \
         in d.log(), d.log()
