@@ -982,6 +982,12 @@ int dispatch_restore(struct dispatch *d)
 	t0 = uv_hrtime();
 	if (store_spool_stats(d->store, &items, &bytes, &oldest) == 0)
 		sink_spool_counted(d->sink, items, bytes, (uv_hrtime() - t0) / 1000000u);
+	/* Writes without a clear answer before the stop, looked at again when due (one whose
+	 * message the spool holds too goes out through its spool row then). */
+	if (d->remote && (rc = sink_load_repairs(d->sink)) < 0) {
+		log_msg(LOG_ERROR, "store", "cannot read the repairs table: %s", strerror(-rc));
+		return rc;
+	}
 	if (items) {
 		if (d->remote) {
 			rc = store_spool_each(d->store, 0, spool_one, d);

@@ -48,17 +48,24 @@
  * call carried, that version is written with a PutItem on the condition that DynamoDB's
  * version is no newer than the call's (the late write landed, or nothing newer is there).
  * So a newer version written since, by this host or by another one the conversation moved
- * to, is never overwritten. A repair that fails is tried REPAIR_TRIES times in all. In
- * memory only: a restart forgets them. At most REPAIR_MAX wait at a time (later ones are
- * let go, counted and logged). */
+ * to, is never overwritten. A repair that fails is tried REPAIR_TRIES times in all. Each
+ * is a row of the store's repairs table too, written in the loop turn's commit and
+ * deleted once the repair is done or given up, so that a stop (or a crash) before it is
+ * due does not forget it: the next start looks again (sink_load_repairs). At most
+ * REPAIR_MAX wait at a time (later ones are let go, counted and logged). */
 #define REPAIR_TIMEOUTS 3
 #define REPAIR_MAX 65536
 #define REPAIR_TRIES 5
 
+/* A message to look at again after an unanswered write of version: in s->repairs (by
+ * conversation, message and version: one each) from repair_add to repair_end, and in the
+ * queue or in flight meanwhile. */
 struct repair {
+	struct hnode h;
 	struct repair *next;
 	struct sink *s;
-	uint64_t due_ms;  /* loop time */
+	uint64_t queued_ms; /* loop time: due when queued (the queue's order) */
+	uint64_t due_ms;    /* loop time: later when another write of version went unanswered */
 	uint32_t version; /* what the unanswered call carried */
 	uint32_t sending; /* the version of the PutItem in flight */
 	unsigned tries;
@@ -138,7 +145,7 @@ struct sink {
 	uv_timer_t close_timer; /* sink_close's deadline, or "finish now" */
 	uint64_t hash_seed, rng;
 
-	struct htable convs, entries;
+	struct htable convs, entries, repairs;
 	size_t depth;
 	struct entry *ready_head, *ready_tail;
 	struct entry **heap; /* min-heap on next_ms of the waiting entries */
@@ -748,7 +755,7 @@ static void batch_free(struct batch *b)
 static void repair_queue(struct sink *s, struct repair *r, uint64_t due_ms)
 {
 	r->next = NULL;
-	r->due_ms = due_ms;
+	r->queued_ms = r->due_ms = due_ms;
 	if (s->repair_tail)
 		s->repair_tail->next = r;
 	else
@@ -757,13 +764,101 @@ static void repair_queue(struct sink *s, struct repair *r, uint64_t due_ms)
 	s->nrepairs++;
 }
 
+/* Records r in the store (due in delay_ms), or, done, deletes its row. A failure is logged:
+ * r is still done from memory, only a restart would not look at it again. */
+static void repair_record(struct sink *s, const struct repair *r, bool done, uint64_t delay_ms)
+{
+	int rc = store_write_begin(s);
+
+	if (rc == 0)
+		rc = done ? store_repair_done(s->store, r->conv, r->conv_len, r->sk, r->version)
+		          : store_repair_put(s->store, r->conv, r->conv_len, r->sk, r->version,
+		                             wall_ms() + (int64_t)delay_ms);
+	if (rc < 0)
+		log_msg(LOG_WARN, SUBSYS,
+		        "conversation \"%.*s\" message %s: %s the write of version %" PRIu32
+		        " to look at again failed in the local store (%s)",
+		        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk,
+		        done ? "forgetting" : "recording", r->version, strerror(-rc));
+}
+
+/* r is done with (or given up): its row goes, and r. */
+static void repair_end(struct sink *s, struct repair *r)
+{
+	repair_record(s, r, true, 0);
+	ht_remove(&s->repairs, &r->h);
+	free(r);
+}
+
+/* r looked at: done, unless another write of its version went unanswered meanwhile (its
+ * due moved past now), which may land later still: then it waits again. */
+static void repair_finish(struct sink *s, struct repair *r, uint64_t now)
+{
+	if (r->due_ms > now) {
+		r->tries = 0;
+		repair_queue(s, r, r->due_ms);
+	} else {
+		repair_end(s, r);
+	}
+}
+
+static uint64_t repair_hash(const struct sink *s, const char *conv, size_t conv_len, const char *sk,
+                            uint32_t version)
+{
+	return hash_bytes(hash_bytes(s->hash_seed ^ version, conv, conv_len), sk, strlen(sk));
+}
+
+static struct repair *repair_find(const struct sink *s, uint64_t hash, const char *conv,
+                                  size_t conv_len, const char *sk, uint32_t version)
+{
+	for (struct hnode *h = ht_first(&s->repairs, hash); h; h = h->next) {
+		struct repair *r = (struct repair *)h;
+		if (h->hash == hash && r->version == version && r->conv_len == conv_len &&
+		    memcmp(r->conv, conv, conv_len) == 0 && strcmp(r->sk, sk) == 0)
+			return r;
+	}
+	return NULL;
+}
+
+/* A new repair of (conv, sk, version), due at due_ms (loop time), into s->repairs and the
+ * queue; or the one there already, due no sooner than due_ms. NULL when out of memory. */
+static struct repair *repair_new(struct sink *s, const char *conv, size_t conv_len, const char *sk,
+                                 uint32_t version, uint64_t due_ms)
+{
+	uint64_t hash = repair_hash(s, conv, conv_len, sk, version);
+	struct repair *r = repair_find(s, hash, conv, conv_len, sk, version);
+
+	if (r) {
+		if (due_ms > r->due_ms)
+			r->due_ms = due_ms;
+		return r;
+	}
+	if (!(r = malloc(sizeof(*r) + conv_len + 1)))
+		return NULL;
+	r->h.hash = hash;
+	r->s = s;
+	r->version = version;
+	r->sending = 0;
+	r->tries = 0;
+	memset(r->sk, 0, sizeof(r->sk));
+	memcpy(r->sk, sk, strlen(sk));
+	r->conv_len = conv_len;
+	memcpy(r->conv, conv, conv_len);
+	r->conv[conv_len] = '\0';
+	ht_insert(&s->repairs, &r->h);
+	repair_queue(s, r, due_ms);
+	return r;
+}
+
 /* The messages of b, whose call may still be applied, are looked at again later. */
 static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 {
+	uint64_t delay = (uint64_t)REPAIR_TIMEOUTS * (uint64_t)s->cfg.request_timeout_ms;
+
 	for (size_t i = 0; i < b->n; i++) {
 		const struct entry *e = b->e[i];
 		struct repair *r;
-		if (s->nrepairs >= REPAIR_MAX) {
+		if (s->repairs.n >= REPAIR_MAX) {
 			if (s->repairs_dropped++ == 0)
 				log_msg(
 				    LOG_WARN, SUBSYS,
@@ -772,20 +867,12 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 				    REPAIR_MAX);
 			continue;
 		}
-		r = malloc(sizeof(*r) + e->conv->len + 1);
+		r = repair_new(s, e->conv->id, e->conv->len, e->sk, b->version[i], now + delay);
 		if (!r) {
 			s->repairs_dropped++;
 			continue;
 		}
-		r->s = s;
-		r->version = b->version[i];
-		r->sending = 0;
-		r->tries = 0;
-		memcpy(r->sk, e->sk, sizeof(r->sk));
-		r->conv_len = e->conv->len;
-		memcpy(r->conv, e->conv->id, e->conv->len + 1);
-		repair_queue(s, r,
-		             now + (uint64_t)REPAIR_TIMEOUTS * (uint64_t)s->cfg.request_timeout_ms);
+		repair_record(s, r, false, delay);
 	}
 }
 
@@ -797,7 +884,8 @@ static void repair_failed(struct sink *s, struct repair *r, uint64_t now, bool p
                           const char *why)
 {
 	if (!permanent && ++r->tries < REPAIR_TRIES) {
-		repair_queue(s, r, now + backoff_ms(s, r->tries));
+		uint64_t at = now + backoff_ms(s, r->tries);
+		repair_queue(s, r, at > r->due_ms ? at : r->due_ms);
 		return;
 	}
 	s->repairs_dropped++;
@@ -806,7 +894,7 @@ static void repair_failed(struct sink *s, struct repair *r, uint64_t now, bool p
 	        "version %" PRIu32 " without an answer (%s); if that write lands late, DynamoDB "
 	        "keeps it",
 	        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk, r->version, why);
-	free(r);
+	repair_end(s, r);
 }
 
 static void on_repair_done(const struct ddbclient_result *res, void *arg)
@@ -818,7 +906,8 @@ static void on_repair_done(const struct ddbclient_result *res, void *arg)
 
 	s->repairs_inflight--;
 	if (res->canceled || s->finishing) {
-		free(r);
+		ht_remove(&s->repairs, &r->h);
+		free(r); /* its row stays: the next start looks again */
 		return;
 	}
 	if (res->status == 200) {
@@ -828,12 +917,13 @@ static void on_repair_done(const struct ddbclient_result *res, void *arg)
 		        " written again over the late write of version %" PRIu32,
 		        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk, r->sending,
 		        r->version);
-		free(r);
+		repair_finish(s, r, uv_now(s->loop));
 	} else if (res->status == 400 &&
 	           ddbitem_error_parse(res->body, res->body_len, type, sizeof(type), message,
 	                               sizeof(message)) == 0 &&
 	           strcmp(type, "ConditionalCheckFailedException") == 0) {
-		free(r); /* DynamoDB holds a newer version than the late write: nothing to do */
+		/* DynamoDB holds newer than the late write: nothing to do */
+		repair_finish(s, r, uv_now(s->loop));
 	} else {
 		out = classify(res, why, sizeof(why));
 		if (out == OUT_CREDENTIALS)
@@ -880,7 +970,7 @@ static void repairs_run(struct sink *s, uint64_t now)
 {
 	struct repair *r;
 
-	while ((r = s->repair_head) && r->due_ms <= now &&
+	while ((r = s->repair_head) && r->queued_ms <= now &&
 	       s->repairs_inflight < s->cfg.max_batches_inflight) {
 		json_t *map = NULL;
 		uint32_t version = 0;
@@ -895,6 +985,10 @@ static void repairs_run(struct sink *s, uint64_t now)
 		if (!s->repair_head)
 			s->repair_tail = NULL;
 		s->nrepairs--;
+		if (r->due_ms > now) { /* put off (repair_new) */
+			repair_queue(s, r, r->due_ms);
+			continue;
+		}
 		if ((c = conv_find(s, r->conv, r->conv_len, hash)))
 			e = entry_find(s, c, r->sk);
 		if (e && e->state == ENTRY_INFLIGHT) {
@@ -902,7 +996,7 @@ static void repairs_run(struct sink *s, uint64_t now)
 			continue;
 		}
 		if (e) {
-			free(r);
+			repair_finish(s, r, now);
 			continue;
 		}
 		rc = store_message_get(s->store, r->conv, r->conv_len, r->sk, &map, &version,
@@ -913,12 +1007,57 @@ static void repairs_run(struct sink *s, uint64_t now)
 			rc = 1; /* nothing newer (or nothing at all) to write */
 		json_decref(map);
 		if (rc == 1) {
-			free(r);
+			repair_finish(s, r, now);
 		} else if (rc < 0) {
 			snprintf(why, sizeof(why), "%s", strerror(-rc));
 			repair_failed(s, r, now, rc == -EINVAL, why);
 		}
 	}
+}
+
+static void arm_timer(struct sink *s, uint64_t now);
+
+static int load_repair(void *arg, const char *conv, size_t conv_len, const char *sk,
+                       uint32_t version, int64_t due_ms)
+{
+	struct sink *s = arg;
+	uint64_t now = uv_now(s->loop),
+	         most = (uint64_t)REPAIR_TIMEOUTS * (uint64_t)s->cfg.request_timeout_ms;
+	int64_t left = due_ms - wall_ms();
+	size_t sk_len = strlen(sk);
+
+	if (s->repairs.n >= REPAIR_MAX)
+		return 1; /* the rest wait for a later start */
+	if (conv_len == 0 || conv_len > DDBITEM_PARTITION_KEY_MAX || sk_len == 0 ||
+	    sk_len > DDBITEM_SK_MAX)
+		return 0; /* never written by repair_add */
+	/* Due when it was, on the wall clock; a clock set back waits no longer than a repair
+	 * added now. */
+	if (!repair_new(s, conv, conv_len, sk, version,
+	                now + (left <= 0               ? 0
+	                       : (uint64_t)left < most ? (uint64_t)left
+	                                               : most)))
+		return -ENOMEM;
+	return 0;
+}
+
+int sink_load_repairs(struct sink *s)
+{
+	int rc;
+
+	if (!s || !s->table || !s->store)
+		return 0;
+	rc = store_repair_each(s->store, load_repair, s);
+	if (rc < 0)
+		return rc;
+	if (s->nrepairs) {
+		log_msg(LOG_INFO, SUBSYS,
+		        "%zu message%s to look at again after a write without an answer before "
+		        "the last stop",
+		        s->nrepairs, s->nrepairs == 1 ? "" : "s");
+		arm_timer(s, uv_now(s->loop));
+	}
+	return 0;
 }
 
 /* A call failed in a way worth retrying: every entry waits its backoff, and the gate
@@ -1225,8 +1364,8 @@ static void arm_timer(struct sink *s, uint64_t now)
 			due = s->gate_ms;
 	}
 	if (s->repair_head && s->repairs_inflight < s->cfg.max_batches_inflight &&
-	    s->repair_head->due_ms < due)
-		due = s->repair_head->due_ms;
+	    s->repair_head->queued_ms < due)
+		due = s->repair_head->queued_ms;
 	if (due == UINT64_MAX) {
 		uv_timer_stop(&s->timer);
 		return;
@@ -1873,7 +2012,7 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 	s->hash_seed = hash_bytes(0xcbf29ce484222325ULL, &seed, sizeof(seed));
 	s->rng = s->hash_seed | 1;
 	rc = -ENOMEM;
-	if (ht_init(&s->convs) < 0 || ht_init(&s->entries) < 0)
+	if (ht_init(&s->convs) < 0 || ht_init(&s->entries) < 0 || ht_init(&s->repairs) < 0)
 		goto fail;
 	if (cfg->table) {
 		if (!(s->table = strdup(cfg->table)))
@@ -1920,6 +2059,7 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 fail:
 	free(s->convs.b);
 	free(s->entries.b);
+	free(s->repairs.b);
 	free(s->table);
 	free(s);
 	return rc;
@@ -1940,11 +2080,7 @@ static void maybe_freed(struct sink *s)
 		return;
 	ht_free(&s->entries, free_node);
 	ht_free(&s->convs, free_node);
-	while (s->repair_head) {
-		struct repair *r = s->repair_head;
-		s->repair_head = r->next;
-		free(r);
-	}
+	ht_free(&s->repairs, free_node); /* those queued (in flight ones ended canceled) */
 	free(s->heap);
 	free(s->table);
 	cb = s->on_closed;
@@ -1981,15 +2117,12 @@ static void on_close_timer(uv_timer_t *t)
 		        "stopping with %zu write%s not confirmed; they stay in the spool for the "
 		        "next start",
 		        s->depth, s->depth == 1 ? "" : "s");
-	if (s->nrepairs + s->repairs_inflight > 0) {
-		s->repairs_dropped += s->nrepairs + s->repairs_inflight;
-		log_msg(LOG_WARN, SUBSYS,
-		        "stopping with %zu message%s not looked at again after a write without an "
-		        "answer: if that write lands late, DynamoDB keeps its older version (a "
-		        "restart does not look again)",
+	if (s->nrepairs + s->repairs_inflight > 0)
+		log_msg(LOG_INFO, SUBSYS,
+		        "stopping with %zu message%s to look at again after a write without an "
+		        "answer; the next start looks at them",
 		        s->nrepairs + s->repairs_inflight,
 		        s->nrepairs + s->repairs_inflight == 1 ? "" : "s");
-	}
 	uv_timer_stop(&s->timer);
 	/* In-flight calls, batches and jobs alike, end canceled inside ddbclient_close. */
 	if (s->client)

@@ -100,6 +100,9 @@ void sink_reread(struct sink *s);
  * small at start); a larger one in the background, in slices of the loop's time, the last
  * count standing meanwhile (this one, first, also for a spool that grew large before the
  * first stats). Accepts NULL. */
+/* Queues the repairs the store holds from before this start (sink.c, repair_add): writes
+ * that got no clear answer, looked at again when due. 0, or -errno (logged by the store). */
+int sink_load_repairs(struct sink *s);
 void sink_spool_counted(struct sink *s, uint64_t items, uint64_t bytes, uint64_t took_ms);
 
 /* Entries of that conversation not yet confirmed or dead-lettered (0 for a local sink). */

@@ -34,8 +34,10 @@
 /* 2: the journal table; 3: batches and segments instead of the messages table; 4: packed
  * records (msgrec.h), about half the size (an older convod would take them for damage);
  * 5: a second table of batches, batches1 (see "Messages" below); 6: an index of the dead
- * letters by message, so that a load finds a message's dead-lettered version */
-#define STORE_SCHEMA_VERSION 6
+ * letters by message, so that a load finds a message's dead-lettered version; 7: the
+ * repairs table (the sink's writes without a clear answer, looked at again after a
+ * restart too) */
+#define STORE_SCHEMA_VERSION 7
 #define STORE_APPLICATION_ID 0x636e7664 /* "cnvd": tells our files from other SQLite files */
 #define STORE_BUSY_TIMEOUT_MS 100
 #define STORE_BUF_KEEP (1024 * 1024) /* larger buffers are freed after use */
@@ -192,6 +194,15 @@ static const char schema5_sql[] = "CREATE TABLE batches1("
                                   ");";
 static const char schema6_sql[] = "CREATE INDEX IF NOT EXISTS dead_letters_by_message"
                                   " ON dead_letters(conversation, sk, version);";
+/* A message whose write of `version` may still land late, to look at again at `due` (Unix
+ * ms): sink.c, repair_add. */
+static const char schema7_sql[] = "CREATE TABLE IF NOT EXISTS repairs("
+                                  " conversation BLOB NOT NULL,"
+                                  " sk TEXT NOT NULL,"
+                                  " version INTEGER NOT NULL,"
+                                  " due INTEGER NOT NULL,"
+                                  " PRIMARY KEY(conversation, sk, version)"
+                                  ") WITHOUT ROWID;";
 
 enum stmt_id {
 	ST_BEGIN = 0,
@@ -227,6 +238,9 @@ enum stmt_id {
 	ST_PURGE_SEGMENTS,
 	ST_PURGE_CONFIRMED,
 	ST_PURGE_CONVERSATIONS,
+	ST_REPAIR_PUT,
+	ST_REPAIR_DELETE,
+	ST_REPAIR_EACH,
 	ST_COUNT,
 };
 
@@ -293,6 +307,10 @@ static const char *const stmt_sql[ST_COUNT] = {
     [ST_PURGE_CONFIRMED] = "DELETE FROM confirmed WHERE conversation IN"
                            " (SELECT id FROM conversations WHERE " PURGEABLE ")",
     [ST_PURGE_CONVERSATIONS] = "DELETE FROM conversations WHERE " PURGEABLE,
+    [ST_REPAIR_PUT] = "INSERT OR REPLACE INTO repairs(conversation, sk, version, due)"
+                      " VALUES(?1, ?2, ?3, ?4)",
+    [ST_REPAIR_DELETE] = "DELETE FROM repairs WHERE conversation = ?1 AND sk = ?2 AND version = ?3",
+    [ST_REPAIR_EACH] = "SELECT conversation, sk, version, due FROM repairs ORDER BY due",
 };
 
 /* Checkpoints run on a thread of their own with a second connection, so that copying the
@@ -657,6 +675,8 @@ static int upgrade(sqlite3 *db, int64_t from)
 		rc = sqlite3_exec(db, schema5_sql, NULL, NULL, NULL);
 	if (rc == SQLITE_OK)
 		rc = sqlite3_exec(db, schema6_sql, NULL, NULL, NULL);
+	if (rc == SQLITE_OK)
+		rc = sqlite3_exec(db, schema7_sql, NULL, NULL, NULL);
 	snprintf(sql, sizeof(sql), "%sPRAGMA user_version=%d; COMMIT",
 	         from < 3 ? "DROP TABLE messages; " : "", STORE_SCHEMA_VERSION);
 	if (rc == SQLITE_OK)
@@ -743,6 +763,8 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 			rc = sqlite3_exec(db, schema5_sql, NULL, NULL, NULL);
 		if (rc == SQLITE_OK)
 			rc = sqlite3_exec(db, schema6_sql, NULL, NULL, NULL);
+		if (rc == SQLITE_OK)
+			rc = sqlite3_exec(db, schema7_sql, NULL, NULL, NULL);
 		if (rc == SQLITE_OK) {
 			char sql[128];
 			snprintf(sql, sizeof(sql),
@@ -1644,6 +1666,8 @@ enum op_kind {
 	OPK_SPOOL_PUT,            /* conv, sk, version, map_bytes, now_ms */
 	OPK_SPOOL_DONE,           /* conv, sk, version */
 	OPK_DEAD_LETTER,          /* conv, sk, version, item (or none), error, now_ms */
+	OPK_REPAIR_PUT,           /* conv, sk, version, due_ms */
+	OPK_REPAIR_DONE,          /* conv, sk, version */
 };
 
 #define NO_TEXT UINT32_MAX /* a NULL item */
@@ -1805,6 +1829,16 @@ static int op_apply(struct store *s, const struct store_op *o)
 		if ((rc = run(s, st)) < 0)
 			return rc;
 		return spool_delete(s, o);
+	case OPK_REPAIR_PUT:
+	case OPK_REPAIR_DONE:
+		st = s->st[o->kind == OPK_REPAIR_PUT ? ST_REPAIR_PUT : ST_REPAIR_DELETE];
+		if ((rc = bind_op_key(s, st, o)) < 0)
+			return rc;
+		if ((rc = sqlite3_bind_int64(st, 3, (sqlite3_int64)o->version)) != SQLITE_OK ||
+		    (o->kind == OPK_REPAIR_PUT &&
+		     (rc = sqlite3_bind_int64(st, 4, o->when)) != SQLITE_OK))
+			return fail(s, st, rc);
+		return run(s, st);
 	}
 	return -EINVAL;
 }
@@ -2818,6 +2852,28 @@ int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const 
 	return write_op(s, &o);
 }
 
+static int repair_op(struct store *s, enum op_kind kind, const char *conv, size_t conv_len,
+                     const char *sk, uint32_t version, int64_t due_ms)
+{
+	struct store_op o = {kind, conv, sk, NULL, NULL, conv_len, 0, 0, 0, version, 0, due_ms};
+	if (!sk)
+		return write_check(s) ? write_check(s) : -EINVAL;
+	o.sk_len = strlen(sk);
+	return write_op(s, &o);
+}
+
+int store_repair_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                     uint32_t version, int64_t due_ms)
+{
+	return repair_op(s, OPK_REPAIR_PUT, conv, conv_len, sk, version, due_ms);
+}
+
+int store_repair_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                      uint32_t version)
+{
+	return repair_op(s, OPK_REPAIR_DONE, conv, conv_len, sk, version, 0);
+}
+
 /* ---- reads ---- */
 
 /* Logs a row that cannot be read back and returns -EIO. */
@@ -3138,6 +3194,34 @@ static int spool_each(struct store *s, int64_t after_seq,
 	return rc;
 }
 
+static int repair_each(struct store *s,
+                       int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
+                                 uint32_t version, int64_t due_ms),
+                       void *arg)
+{
+	sqlite3_stmt *st = s->st[ST_REPAIR_EACH];
+	int rc = 0, step;
+
+	while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+		const char *conv = sqlite3_column_blob(st, 0);
+		size_t conv_len = (size_t)sqlite3_column_bytes(st, 0);
+		const char *sk = (const char *)sqlite3_column_text(st, 1);
+		int64_t version = sqlite3_column_int64(st, 2);
+		if (!conv || !sk || version < 1 || version > UINT32_MAX) {
+			rc = bad_row(s, conv ? conv : "", conv_len, sk, sk ? strlen(sk) : 0,
+			             "bad repairs row");
+			break;
+		}
+		if ((rc = fn(arg, conv, conv_len, sk, (uint32_t)version,
+		             sqlite3_column_int64(st, 3))) != 0)
+			break;
+	}
+	if (!rc && step != SQLITE_DONE)
+		rc = fail(s, st, step);
+	sqlite3_reset(st);
+	return rc;
+}
+
 /* The newest record of (conv, sk) among pending ones: the last in its chain. */
 static bool pending_find(const struct pending *p, const char *conv, size_t conv_len,
                          uint64_t hash, const char *sk, size_t sk_len, struct msgrec *out)
@@ -3348,6 +3432,14 @@ int store_spool_each(struct store *s, int64_t after_seq,
                      void *arg)
 {
 	LOCKED(s, spool_each(s, after_seq, fn, arg));
+}
+
+int store_repair_each(struct store *s,
+                      int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
+                                uint32_t version, int64_t due_ms),
+                      void *arg)
+{
+	LOCKED(s, repair_each(s, fn, arg));
 }
 
 int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,

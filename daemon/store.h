@@ -167,6 +167,13 @@ int store_spool_done(struct store *s, const char *conv, size_t conv_len, const c
  * newer version than the refused one stays, since that version has not been tried. */
 int store_dead_letter(struct store *s, const char *conv, size_t conv_len, const char *sk,
                       uint32_t version, const char *item_json, const char *error, int64_t now_ms);
+/* The sink's write of version of (conv, sk) got no clear answer and may land late: a row
+ * to look at it again at due_ms (Unix ms), kept until store_repair_done, so that a restart
+ * looks at it too (sink.c, repair_add). */
+int store_repair_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                     uint32_t version, int64_t due_ms);
+int store_repair_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
+                      uint32_t version);
 
 /* Reads: what is committed (never the open transaction), between two of the writer's
  * transactions. */
@@ -200,6 +207,12 @@ int store_spool_each(struct store *s, int64_t after_seq,
                      int (*fn)(void *arg, int64_t seq, const char *conv, size_t conv_len,
                                const char *sk, uint32_t version, int64_t enqueued_ms),
                      void *arg);
+/* Calls fn for every repairs row (store_repair_put), by due time; fn returns 0 to go on or
+ * a negative errno to stop (returned). 0, -EIO (a bad row, logged) or what fn returned. */
+int store_repair_each(struct store *s,
+                      int (*fn)(void *arg, const char *conv, size_t conv_len, const char *sk,
+                                uint32_t version, int64_t due_ms),
+                      void *arg);
 /* The stored map, version and updated time of one message (for sending messages whose
  * conversation is not in memory). 0 or -ENOENT / -EIO. Caller owns *map. */
 int store_message_get(struct store *s, const char *conv, size_t conv_len, const char *sk,

@@ -551,15 +551,88 @@ def test_repair_refused_for_good_is_not_retried(faultproxy, dynalite, ddb_table,
     assert "ValidationException" in d.log() and stats(c)["sink"]["repaired"] == 0
 
 
-def test_stop_says_which_repairs_it_drops(faultproxy, dynalite, ddb_table, daemon_factory):
-    """A stop before a repair is due cannot do it (nor can a restart: repairs are kept in
-    memory only): it says so in the log."""
+@pytest.mark.parametrize("how", ["stop", "kill -9"])
+def test_repair_survives_a_restart(how, faultproxy, dynalite, ddb_table, daemon_factory):
+    """A stop (or a crash) before a repair is due does not forget it: the messages to look
+    at again are rows of the store's repairs table, and the next start looks at them when
+    they are due. Here the late write lands while the daemon is down, and the restarted
+    daemon writes the newer version over it; the rows then go."""
     timeout = int(400 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
-    d, c, _, _ = stage_late_write(faultproxy, daemon_factory, ddb_table, "repair-stop",
-                                  timeout, 2 * timeout)
+    conv = "repair-stop"
+    d, c, a1, t0 = stage_late_write(faultproxy, daemon_factory, ddb_table, conv, timeout,
+                                    2 * timeout)
+    u1 = c.ok({"op": "to_messages_map", "conversation": conv,
+               "incremental": False})["messages"][0]["id"]
+    if how == "stop":
+        assert d.stop() == 0
+    else:
+        for conn in d.conns:
+            conn.close()
+        d.conns = []
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        d.stderr.close()
+    if time.monotonic() - t0 > 3 * timeout / 1000.0:
+        pytest.skip("too slow here: the repairs came due before the stop")
+    if how == "stop":
+        assert "stopping with 2 messages to look at again after a write without an " \
+            "answer" in d.log(), d.log()
+    # Both messages of the unanswered call, at the version it carried.
+    assert sorted(store_rows(d.state_dir, "SELECT conversation, sk, version FROM repairs")) \
+        == sorted([(conv.encode(), u1, 1), (conv.encode(), a1, 1)])
+
+    def contents():
+        item = ddb.get_item(dynalite, ddb_table, conv, a1)
+        return (int(item["version"]["N"]), [x["S"] for x in item["message"]["M"]["contents"]["L"]])
+
+    # The late write lands while nothing runs.
+    wait_until(lambda: contents() == (1, ["v1 text"]), 10, "the late write")
+    d.start()
+    c = d.connect()
+    wait_until(lambda: contents() == (2, ["v1 text", "v2 text"]), 10 + 3 * timeout / 1000.0,
+               "the repair after the restart")
+    assert "2 messages to look at again after a write without an answer before the last " \
+        "stop" in d.log(), d.log()
+    assert stats(c)["sink"]["repaired"] == 1
+    assert ddb.get_item(dynalite, ddb_table, conv, u1)["version"] == {"N": "1"}
     assert d.stop() == 0
-    assert "stopping with 2 messages not looked at again after a write without an answer" \
-        in d.log(), d.log()
+    assert store_rows(d.state_dir, "SELECT count(*) FROM repairs") == [(0,)]
+    assert d.log().count("to look at again after a write without an answer;") == \
+        (1 if how == "stop" else 0), d.log()
+
+
+def test_same_write_unanswered_twice_is_looked_at_once(faultproxy, dynalite, ddb_table,
+                                                      daemon_factory):
+    """A write of the same versions left without an answer twice (the call, then its retry)
+    is one repair a message, due three timeouts after the later call: one PutItem, where
+    one repair for each call sent two (the second refused by its condition)."""
+    timeout = int(600 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
+    conv = "unanswered-twice"
+    d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "600000",
+                        "--request-timeout-ms", str(timeout), "--retry-base-ms", "20",
+                        "--retry-max-ms", "100"], env=ddb_env(faultproxy.url))
+    c = d.connect()
+    faultproxy.push("slow", n=2, op="BatchWriteItem", ms=2 * timeout)
+    a1 = c.ok({"op": "add_user", "conversation": conv,
+               "contents": "v1 text"})["message"]["id"]
+    t0 = time.monotonic()
+    c.ok({"op": "flush", "conversation": conv})
+    wait_drained(c)  # the third call went through
+    assert faultproxy.count("slow") == 2
+    # One message, at the one version both calls carried.
+    assert store_rows(d.state_dir, "SELECT sk, version FROM repairs") == [(a1, 1)]
+    c.ok({"op": "add_user", "conversation": conv, "contents": "v2 text"})
+    c.ok({"op": "flush", "conversation": conv})
+    wait_drained(c)
+    puts = lambda: sum(1 for op, _ in faultproxy.log if op == "PutItem")  # noqa: E731
+    wait_until(lambda: puts() >= 1, 10 + 6 * timeout / 1000.0, "the repair's PutItem")
+    # Past the time a second repair would have come due (the second call ended about two
+    # timeouts after the first began, and three timeouts later).
+    time.sleep(max(0.0, t0 + 6 * timeout / 1000.0 + 0.5 - time.monotonic()))
+    assert puts() == 1, faultproxy.log
+    assert store_rows(d.state_dir, "SELECT count(*) FROM repairs") == [(0,)]
+    it = ddb.from_item(ddb.get_item(dynalite, ddb_table, conv, a1))
+    assert it["version"] == 2 and it["message"]["contents"] == ["v1 text", "v2 text"], it
 
 
 def test_repair_never_overwrites_a_newer_version(faultproxy, dynalite, ddb_table,

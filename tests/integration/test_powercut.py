@@ -31,10 +31,10 @@ sends) are written first: a version sent before the store could keep it would be
 table and not in the daemon.
 
 Three operations that change many rows at once are cut at every sync, just before and just
-after it, and halfway between two: a schema upgrade at the start (5 to 6: the index of the
-dead letters; and 1 or 2 to 6, from a store of convod's old schemas written here, whose
-messages and journal become segments, then copied into the database file by a checkpoint;
-and 4 to 6 on a store a crash left with its batches not folded, which the start then folds),
+after it, and halfway between two: a schema upgrade at the start (5 to 7: the index of the
+dead letters and the repairs table; and 1 or 2 to 7, from a store of convod's old schemas
+written here, whose messages and journal become segments, then copied into the database file by a checkpoint;
+and 4 to 7 on a store a crash left with its batches not folded, which the start then folds),
 the start on a store a crash left in the middle of a fold cycle (which it folds, with the
 batches committed after the cycle began), retry_dead_letters' move in parts, and the
 retention purge. Each image must
@@ -61,6 +61,7 @@ from test_persistence import (FAST, _all_dead_lettered, ddb_daemon, ddb_env, mer
                               wait_until)
 
 NCONVS = 4
+SCHEMA = 7  # the store's schema (store.c, STORE_SCHEMA_VERSION)
 SEED = int(os.environ.get("CONVOD_CRASH_SEED", "424242"))
 
 
@@ -582,14 +583,14 @@ def images(daemon_factory, args, records, state_dir, rng, base):
         yield cut, d2, copy
 
 
-def stopped_at_6(d2, upgrade, cut):
+def stopped_at_now(d2, upgrade, cut):
     """Stops d2, started on the image of cut, which must have logged the upgrade (None: no
-    upgrade) and left its store at schema 6, sound; removes its directory."""
+    upgrade) and left its store at schema SCHEMA, sound; removes its directory."""
     assert d2.stop() == 0, d2.log()
     upgraded = [line[line.index("upgraded"):] for line in d2.log().splitlines()
                 if "upgraded from schema" in line]
     assert upgraded == ([upgrade] if upgrade else []), (cut, upgraded)
-    assert store_rows(d2.state_dir, "PRAGMA user_version")[0][0] == 6
+    assert store_rows(d2.state_dir, "PRAGMA user_version")[0][0] == SCHEMA
     assert store_rows(d2.state_dir, "PRAGMA integrity_check")[0][0] == "ok"
     shutil.rmtree(d2.dir, ignore_errors=True)
 
@@ -602,7 +603,7 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
     """A store of schema 5 holding dead letters; the daemon, at machine, upgrades it as it
     starts (one transaction: the index of the dead letters over all of them), and a
     retry_dead_letters moves them back to the spool in parts of 256, a transaction each.
-    A power loss anywhere in that leaves the store at schema 5 or 6, never between, and
+    A power loss anywhere in that leaves the store at schema 5 or 7, never between, and
     each dead letter in exactly one of the two tables, moved in whole parts; once the
     client had its answer, all of them moved. The fresh daemon started on each image
     reports what the image holds, and leaves it sound."""
@@ -613,7 +614,8 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
     # Back to schema 5, as test_store makes one: no index of the dead letters yet.
     db = sqlite3.connect(os.path.join(d.state_dir, "convod.db"))
     try:
-        db.executescript("DROP INDEX dead_letters_by_message; PRAGMA user_version=5")
+        db.executescript("DROP INDEX dead_letters_by_message; DROP TABLE repairs;"
+                         " PRAGMA user_version=5")
     finally:
         db.close()
     os.sync()
@@ -622,7 +624,7 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
     d.start()
     c = d.connect()
     assert c.ok({"op": "retry_dead_letters"})["retried"] == n
-    assert "upgraded from schema 5 to 6" in d.log()
+    assert "upgraded from schema 5 to %d" % SCHEMA in d.log()
     time.sleep(0.2)  # quiet ticks: a checkpoint, most likely
     kill9(d)
 
@@ -638,16 +640,16 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
         # What the image holds, read from a copy before the daemon opens it.
         (version,), = store_rows(copy, "PRAGMA user_version")
         indexed = store_rows(copy, "SELECT count(*) FROM sqlite_schema"
-                        " WHERE name = 'dead_letters_by_message'")[0][0]
+                        " WHERE name IN ('dead_letters_by_message', 'repairs')")[0][0]
         (spool, dead, both), = store_rows(
             copy, "SELECT (SELECT count(*) FROM spool), (SELECT count(*) FROM dead_letters),"
             " (SELECT count(*) FROM spool s JOIN dead_letters l"
             "  ON l.conversation = s.conversation AND l.sk = s.sk)")
         seen.append((cut, version, spool))
-        assert (version, indexed) in ((5, 0), (6, 1)), (cut, version, indexed)
+        assert (version, indexed) in ((5, 0), (SCHEMA, 2)), (cut, version, indexed)
         assert spool + dead == n and both == 0, (cut, spool, dead, both)
         assert spool % 256 == 0 or spool == n, (cut, spool)  # whole parts
-        assert version == 6 or spool == 0, (cut, version, spool)  # the upgrade came first
+        assert version == SCHEMA or spool == 0, (cut, version, spool)  # upgrade came first
         if cut > answer:
             assert spool == n, (cut, spool)
         # The daemon on the image: it upgrades a schema 5, and reports the same rows.
@@ -655,7 +657,8 @@ def test_power_loss_in_upgrade_and_retry_move(unsynced, faultproxy, dynalite, dd
         c2 = d2.connect()
         assert c2.ok({"op": "stats"})["spool"]["items"] == spool, cut
         assert len(c2.ok({"op": "dead_letters", "limit": 100000})["dead_letters"]) == dead
-        stopped_at_6(d2, "upgraded from schema 5 to 6" if version == 5 else None, cut)
+        stopped_at_now(d2, "upgraded from schema 5 to %d" % SCHEMA if version == 5 else None,
+                       cut)
     print("cuts (record, schema, moved):", seen)
     if rng is None:  # the images of later cuts hold no less
         assert [s for _, _, s in seen] == sorted(s for _, _, s in seen), seen
@@ -738,13 +741,13 @@ def write_old_store(daemon_factory, path, schema, nconvs, nmsgs):
 @pytest.mark.parametrize("schema", [1, 2])
 def test_power_loss_in_old_schema_upgrade(schema, unsynced, daemon_factory):
     """A store of convod's schema 1 (a messages table) or 2 (and a journal of newer
-    versions), upgraded to 6 as the daemon starts at machine: one transaction that folds
+    versions), upgraded to 7 as the daemon starts at machine: one transaction that folds
     the journal into the messages, builds each conversation's segment from them and drops
-    the old tables. A power loss anywhere in it leaves the old schema with its tables or 6
+    the old tables. A power loss anywhere in it leaves the old schema with its tables or 7
     without them, never between, and every conversation whole, at its newest versions,
     either way."""
     args = ["--durability", "machine"]
-    upgrade = "upgraded from schema %d to 6" % schema
+    upgrade = "upgraded from schema %d to %d" % (schema, SCHEMA)
     old = {"messages", "journal"} if schema == 2 else {"messages"}
     d = daemon_factory(args, start=False)
     os.makedirs(d.state_dir)
@@ -767,18 +770,18 @@ def test_power_loss_in_old_schema_upgrade(schema, unsynced, daemon_factory):
             db.close()
         seen.append((cut, version))
         assert (version, tables & {"messages", "journal"}, "segments" in tables) in (
-            (schema, old, False), (6, set(), True)), (cut, version, sorted(tables))
+            (schema, old, False), (SCHEMA, set(), True)), (cut, version, sorted(tables))
         d2.start()
         c2 = d2.connect()
         for conv, texts in want.items():
             got = c2.ok({"op": "get_messages", "conversation": conv})["messages"]
             assert [m["message"]["contents"] for m in got] == [[t] for t in texts], (cut, conv)
-        stopped_at_6(d2, upgrade if version == schema else None, cut)
+        stopped_at_now(d2, upgrade if version == schema else None, cut)
     print("cuts (record, schema):", seen)
     if rng is None:  # the images of later cuts hold no less
         assert [v for _, v in seen] == sorted(v for _, v in seen), seen
     # The cuts fell before the upgrade's commit and after it.
-    assert seen[0][1] == schema and seen[-1][1] == 6, seen
+    assert seen[0][1] == schema and seen[-1][1] == SCHEMA, seen
 
 
 @pytest.mark.skipif(VALGRIND, reason="a preloaded library under valgrind: the normal and "
@@ -786,16 +789,16 @@ def test_power_loss_in_old_schema_upgrade(schema, unsynced, daemon_factory):
 @pytest.mark.parametrize("unsynced", ["lost", "torn"])
 def test_power_loss_in_schema4_upgrade_and_replay(unsynced, daemon_factory):
     """A store of schema 4 that a crash left with its turns' batches not folded yet (one
-    table of batches), as the daemon starts on it at machine: the upgrade to 6 (the second
+    table of batches), as the daemon starts on it at machine: the upgrade to 7 (the second
     table of batches and the index of the dead letters, one transaction), then the fold of
     the batches the crash left (the segments written and the batches emptied, one
-    transaction), then a checkpoint. A power loss anywhere in that leaves schema 4 or 6,
+    transaction), then a checkpoint. A power loss anywhere in that leaves schema 4 or 7,
     never between; the batches gone only when every conversation's segment is there; and
     every conversation whole at its newest versions, the merges' included. (Schema 3's
     upgrade is the same transaction: 3 and 4 differ only in how records are encoded, which
     test_store reads back.)"""
     args = ["--durability", "machine"]
-    upgrade = "upgraded from schema 4 to 6"
+    upgrade = "upgraded from schema 4 to %d" % SCHEMA
     nconvs, nturns = 12, 30
     # The crash: turns committed at machine, none folded, then kill -9.
     w = daemon_factory(args)
@@ -819,7 +822,8 @@ def test_power_loss_in_schema4_upgrade_and_replay(unsynced, daemon_factory):
     db = sqlite3.connect(path)
     try:
         db.executescript("INSERT INTO batches SELECT * FROM batches1; DROP TABLE batches1;"
-                         " DROP INDEX dead_letters_by_message; PRAGMA user_version=4")
+                         " DROP INDEX dead_letters_by_message; DROP TABLE repairs;"
+                         " PRAGMA user_version=4")
         (nbatches,), = db.execute("SELECT count(*) FROM batches").fetchall()
         (segments0,), = db.execute("SELECT count(*) FROM segments").fetchall()
     finally:
@@ -837,25 +841,25 @@ def test_power_loss_in_schema4_upgrade_and_replay(unsynced, daemon_factory):
         (batches, segments), = store_rows(
             copy, "SELECT (SELECT count(*) FROM batches), (SELECT count(*) FROM segments)")
         seen.append((cut, version, batches))
-        has6 = {"batches1", "dead_letters_by_message"} & names
-        assert (version, has6) in ((4, set()), (6, {"batches1", "dead_letters_by_message"})), (
+        new = {"batches1", "dead_letters_by_message", "repairs"}
+        assert (version, new & names) in ((4, set()), (SCHEMA, new)), (
             cut, version, sorted(names))
         # The batches emptied only once the segments made of them are there (a crash
         # between the two leaves both: the next start folds the batches again); never
         # folded before the upgrade.
         assert (batches, segments) in ((nbatches, segments0), (nbatches, segments0 + nconvs),
                                        (0, segments0 + nconvs)), (cut, batches, segments)
-        assert version == 6 or batches == nbatches, (cut, version, batches)
+        assert version == SCHEMA or batches == nbatches, (cut, version, batches)
         d2.start()
         check_conversations(d2.connect(), want, cut)
-        stopped_at_6(d2, upgrade if version == 4 else None, cut)
+        stopped_at_now(d2, upgrade if version == 4 else None, cut)
     print("cuts (record, schema, batches):", seen)
     if rng is None:  # the images of later cuts hold no less
         assert [v for _, v, _ in seen] == sorted(v for _, v, _ in seen), seen
         assert [b for _, _, b in seen] == sorted((b for _, _, b in seen), reverse=True), seen
     # The cuts fell before the upgrade, between it and the fold, and after the fold.
-    assert seen[0][1:] == (4, nbatches) and seen[-1][1:] == (6, 0), seen
-    assert any(s[1:] == (6, nbatches) for s in seen) or rng, seen
+    assert seen[0][1:] == (4, nbatches) and seen[-1][1:] == (SCHEMA, 0), seen
+    assert any(s[1:] == (SCHEMA, nbatches) for s in seen) or rng, seen
 
 
 class Adds:
@@ -899,7 +903,7 @@ class Adds:
                     "ASan stages run it")
 @pytest.mark.parametrize("unsynced", ["lost", "torn"])
 def test_power_loss_in_replay_of_a_fold_under_way(unsynced, daemon_factory):
-    """A store a crash left in the middle of a fold cycle (schema 6): the cycle's batches in
+    """A store a crash left in the middle of a fold cycle (schema 7): the cycle's batches in
     one table, some of their conversations' segments written, and the batches committed
     since in the other table. The daemon starts on it at machine and folds both tables'
     batches (the replay). A power loss anywhere in that start leaves every conversation
@@ -965,7 +969,7 @@ def test_power_loss_in_replay_of_a_fold_under_way(unsynced, daemon_factory):
             assert n or names <= folded, (cut, len(names - folded))
         d2.start()
         check_conversations(d2.connect(), want, cut)
-        stopped_at_6(d2, None, cut)
+        stopped_at_now(d2, None, cut)
     print("cuts (record, batches, segments):", seen)
     if rng is None:  # the images of later cuts hold no less
         assert [b for _, b, _ in seen] == sorted((b for _, b, _ in seen), reverse=True), seen

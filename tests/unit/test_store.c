@@ -810,6 +810,73 @@ static int64_t query_int(const char *dir, const char *q);
 
 /* seen[CONSUMER_SINK] after a load: taken only when confirmed, spooled or dead-lettered at
  * that version. */
+struct repair_rows {
+	size_t n;
+	char conv[4][16], sk[4][DDBITEM_SK_MAX + 1];
+	uint32_t version[4];
+	int64_t due[4];
+};
+
+static int repair_cb(void *arg, const char *conv, size_t conv_len, const char *sk, uint32_t version,
+                     int64_t due_ms)
+{
+	struct repair_rows *r = arg;
+	if (r->n == 4 || conv_len >= sizeof(r->conv[0]))
+		return -ERANGE;
+	memcpy(r->conv[r->n], conv, conv_len);
+	r->conv[r->n][conv_len] = '\0';
+	snprintf(r->sk[r->n], sizeof(r->sk[0]), "%s", sk);
+	r->version[r->n] = version;
+	r->due[r->n++] = due_ms;
+	return 0;
+}
+
+/* The repairs table: rows written in a transaction (none before its commit), read by due
+ * time, one per (conversation, message, version), deleted one by one; they survive a
+ * reopen. */
+static void test_repairs(void)
+{
+	const char *a = "01ARZ3NDEKTSV4RRFFQ69G5FAV", *b = "01ARZ3NDEKTSV4RRFFQ69G5FAW";
+	struct repair_rows r = {0};
+	char dir[128];
+	struct store *s;
+
+	make_dir(dir, sizeof(dir), "repairs");
+	if (!(s = open_store(dir)))
+		return;
+	CHECK(store_repair_put(s, "c1", 2, a, 1, T0) == -EINVAL); /* no transaction */
+	CHECK(store_begin(s) == 0);
+	CHECK(store_repair_put(s, "c1", 2, a, 1, T0 + 300) == 0);
+	CHECK(store_repair_put(s, "c1", 2, a, 2, T0 + 100) == 0);
+	CHECK(store_repair_put(s, "c2", 2, b, 1, T0 + 200) == 0);
+	CHECK(store_repair_put(s, "c2", 2, b, 1, T0 + 250) == 0); /* the same: its due moves */
+	CHECK(store_repair_each(s, repair_cb, &r) == 0 && r.n == 0);
+	CHECK(store_commit(s) == 0);
+	CHECK(store_repair_each(s, repair_cb, &r) == 0 && r.n == 3);
+	CHECK(strcmp(r.conv[0], "c1") == 0 && strcmp(r.sk[0], a) == 0 && r.version[0] == 2 &&
+	      r.due[0] == T0 + 100);
+	CHECK(strcmp(r.conv[1], "c2") == 0 && strcmp(r.sk[1], b) == 0 && r.version[1] == 1 &&
+	      r.due[1] == T0 + 250);
+	CHECK(strcmp(r.conv[2], "c1") == 0 && r.version[2] == 1 && r.due[2] == T0 + 300);
+	CHECK(store_begin(s) == 0);
+	CHECK(store_repair_done(s, "c1", 2, a, 2) == 0);
+	CHECK(store_repair_done(s, "c1", 2, b, 1) == 0); /* no such row: nothing */
+	CHECK(store_commit(s) == 0);
+	store_close(s);
+	if (!(s = open_store(dir)))
+		return;
+	memset(&r, 0, sizeof(r));
+	CHECK(store_repair_each(s, repair_cb, &r) == 0 && r.n == 2);
+	CHECK(strcmp(r.conv[0], "c2") == 0 && strcmp(r.conv[1], "c1") == 0 && r.version[1] == 1);
+	CHECK(store_begin(s) == 0);
+	CHECK(store_repair_done(s, "c2", 2, b, 1) == 0);
+	CHECK(store_repair_done(s, "c1", 2, a, 1) == 0);
+	CHECK(store_commit(s) == 0);
+	memset(&r, 0, sizeof(r));
+	CHECK(store_repair_each(s, repair_cb, &r) == 0 && r.n == 0);
+	store_close(s);
+}
+
 static void test_sink_seen(void)
 {
 	char dir[128], sk0[DDBITEM_SK_MAX + 1], sk1[DDBITEM_SK_MAX + 1], sk2[DDBITEM_SK_MAX + 1],
@@ -862,12 +929,13 @@ static void test_sink_seen(void)
 	l = NULL;
 	store_close(s);
 	/* A store of schema 5 (no index of the dead letters) is upgraded, and reads the same. */
-	CHECK(sql(dir, "DROP INDEX dead_letters_by_message; PRAGMA user_version=5") == SQLITE_OK);
+	CHECK(sql(dir, "DROP INDEX dead_letters_by_message; DROP TABLE repairs;"
+	               " PRAGMA user_version=5") == SQLITE_OK);
 	capture_begin();
 	s = open_store(dir);
 	{
 		char *log = capture_end();
-		CHECK(log && strstr(log, "upgraded from schema 5 to 6"));
+		CHECK(log && strstr(log, "upgraded from schema 5 to 7"));
 		free(log);
 	}
 	if (!s) {
@@ -1479,7 +1547,7 @@ static void test_schema3(void)
 		convo_free(l2);
 		l = l2 = NULL;
 		store_close(s);
-		CHECK(query_int(d, "PRAGMA user_version") == 6);
+		CHECK(query_int(d, "PRAGMA user_version") == 7);
 	}
 	convo_free(c);
 }
@@ -1510,17 +1578,17 @@ static void test_schema4(void)
 	store_close(s);
 	for (int k = 0; k < 2; k++) {
 		CHECK(sql(dir[k], "INSERT INTO batches SELECT * FROM batches1; DROP TABLE batches1;"
-		                  "DROP INDEX dead_letters_by_message; PRAGMA user_version=4") ==
-		      SQLITE_OK);
+		                  "DROP INDEX dead_letters_by_message; DROP TABLE repairs;"
+		                  "PRAGMA user_version=4") == SQLITE_OK);
 		CHECK(count_rows(dir[k], "batches") == (k ? 2 : 0));
 		capture_begin();
 		s = open_store(dir[k]);
 		char *log = capture_end();
-		CHECK(log && strstr(log, "upgraded from schema 4 to 6"));
+		CHECK(log && strstr(log, "upgraded from schema 4 to 7"));
 		free(log);
 		if (!s)
 			continue;
-		CHECK(query_int(dir[k], "PRAGMA user_version") == 6);
+		CHECK(query_int(dir[k], "PRAGMA user_version") == 7);
 		CHECK(query_int(dir[k], "SELECT count(*) FROM sqlite_schema"
 		                        " WHERE name = 'dead_letters_by_message'") == 1);
 		CHECK(count_batches(dir[k]) == 0 && count_rows(dir[k], "segments") == 1);
@@ -2694,6 +2762,7 @@ int main(void)
 	test_round_trip();
 	test_closed();
 	test_spool();
+	test_repairs();
 	test_sink_seen();
 	test_purge();
 	test_transactions();
