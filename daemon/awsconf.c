@@ -5,12 +5,14 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define REGION_MAX 64
 #define ENDPOINT_MAX 2048
@@ -200,13 +202,23 @@ static int ini_parse(const char *text, size_t len, const char *path, struct ini 
 		if (line[0] == '#' || line[0] == ';')
 			continue;
 		if (line[0] == '[') {
-			if (line[line_len - 1] != ']' || line_len < 3) {
+			/* "[name]", then perhaps a comment, as the AWS tools' parser reads it */
+			const char *close = memchr(line, ']', line_len), *rest;
+			size_t rest_len;
+			if (close) {
+				rest = close + 1;
+				rest_len = line_len - (size_t)(rest - line);
+				trim(&rest, &rest_len);
+				if (rest_len && rest[0] != '#' && rest[0] != ';')
+					close = NULL;
+			}
+			if (!close || close - line < 2) {
 				seterr(errbuf, "%s:%zu: expected '[section]'", path, lineno);
 				rc = -EINVAL;
 				goto out;
 			}
 			free(section);
-			section = section_name(line + 1, line_len - 2);
+			section = section_name(line + 1, (size_t)(close - line) - 1);
 			if (!section) {
 				rc = -ENOMEM;
 				goto out;
@@ -280,19 +292,21 @@ static int ini_load(const char *path, struct ini *ini, char *errbuf)
 	char *text = NULL;
 	struct stat st;
 	size_t len;
-	int rc = 0;
+	int fd = -1, rc = 0;
 
 	if (!path)
 		return 0;
-	f = fopen(path, "rb");
-	if (!f) {
+	/* Not blocking: a FIFO in the file's place would hang the start, or the loop at a
+	 * reload, waiting for a writer. */
+	fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0) {
 		if (errno == ENOENT || errno == ENOTDIR)
 			return 0;
 		rc = -errno;
 		seterr(errbuf, "%s: %s", path, strerror(errno));
 		goto out;
 	}
-	if (fstat(fileno(f), &st) < 0) {
+	if (fstat(fd, &st) < 0) {
 		rc = -errno;
 		seterr(errbuf, "%s: %s", path, strerror(errno));
 		goto out;
@@ -302,6 +316,17 @@ static int ini_load(const char *path, struct ini *ini, char *errbuf)
 		seterr(errbuf, "%s: is a directory", path);
 		goto out;
 	}
+	if (!S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) {
+		rc = -EINVAL;
+		seterr(errbuf, "%s: not a regular file", path);
+		goto out;
+	}
+	if (!(f = fdopen(fd, "rb"))) {
+		rc = -errno;
+		seterr(errbuf, "%s: %s", path, strerror(errno));
+		goto out;
+	}
+	fd = -1; /* f's now */
 	text = malloc(AWSCONF_MAX_FILE_BYTES + 1);
 	if (!text) {
 		rc = -ENOMEM;
@@ -327,6 +352,8 @@ out:
 	}
 	if (f)
 		fclose(f);
+	if (fd >= 0)
+		close(fd);
 	if (rc < 0)
 		ini_free(ini);
 	return rc;
@@ -632,6 +659,32 @@ out:
 	}
 	*conf = c;
 	return 0;
+}
+
+bool awsconf_dynamodb_wanted(void)
+{
+	struct ini cfg = {0};
+	char *path = NULL, secbuf[300];
+	const char *profile = env("AWS_PROFILE"), *psec;
+	bool wanted = false;
+
+	if (env("AWS_REGION") || env("AWS_DEFAULT_REGION") || env("AWS_ENDPOINT_URL_DYNAMODB") ||
+	    env("AWS_ENDPOINT_URL"))
+		return true;
+	if (!profile)
+		profile = "default";
+	if (strlen(profile) > 255 || file_path("AWS_CONFIG_FILE", "config", &path) < 0)
+		return false;
+	if (ini_load(path, &cfg, NULL) == 0) {
+		const char *v;
+		psec = config_section(&cfg, profile, secbuf, sizeof(secbuf));
+		wanted = ((v = ini_get(&cfg, psec, "region")) && v[0]) ||
+		         ((v = ini_get(&cfg, psec, "endpoint_url")) && v[0]) ||
+		         ((v = ini_get(&cfg, psec, "services")) && v[0]);
+	}
+	ini_free(&cfg);
+	free(path);
+	return wanted;
 }
 
 void awsconf_free(struct awsconf *conf)

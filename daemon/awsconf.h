@@ -44,6 +44,11 @@ int awsconf_load(struct awsconf *conf, char errbuf[AWSCONF_ERRBUF_SIZE]);
 /* Frees the strings of conf (the secret is wiped first) and zeroes it; accepts NULL. */
 void awsconf_free(struct awsconf *conf);
 
+/* For a start whose awsconf_load failed: whether DynamoDB is wanted all the same, as far as
+ * can be told: a region or an endpoint in the environment, or in AWS_PROFILE's section of
+ * the config file if that can be read. */
+bool awsconf_dynamodb_wanted(void);
+
 /* DynamoDB is configured when an endpoint or a region is set. */
 bool awsconf_dynamodb_configured(const struct awsconf *conf);
 

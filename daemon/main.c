@@ -148,6 +148,13 @@ static void on_sink_closed(void *arg)
 	uv_close((uv_handle_t *)&d->sigint, NULL);
 	uv_close((uv_handle_t *)&d->sigterm, NULL);
 	uv_close((uv_handle_t *)&d->sighup, NULL);
+	/* Closing the last handle of a signal gives it back its default action, which ends the
+	 * process: a reload or a second stop arriving during the last commit and the store's
+	 * close (a second or more) would turn a clean stop into exit 129 or 143. Ignored now:
+	 * the stop is under way and has no wait left to skip. */
+	signal(SIGINT, SIG_IGN);
+	signal(SIGTERM, SIG_IGN);
+	signal(SIGHUP, SIG_IGN);
 }
 
 static void on_stopped(struct server *s)
@@ -205,6 +212,27 @@ static void sink_config_from(const struct config *cfg, struct sink_config *sc)
 	sc->request_timeout_ms = (long)cfg->request_timeout_ms;
 }
 
+/* Whether a reload may read the config file: not a FIFO or a socket, whose read would hold
+ * the loop until a writer comes (and a pipe read at its end again is an empty file, which
+ * would put every setting back to its default). Logs why not. */
+static bool config_path_readable_now(const struct daemon *d)
+{
+	const char *path = d->cfg.file ? d->cfg.file
+	                   : d->args.config_path && d->args.config_path[0] == '-'
+	                       ? d->args.config_path + 1
+	                       : d->args.config_path;
+	struct stat st;
+
+	if (!path || stat(path, &st) < 0 || S_ISREG(st.st_mode) || S_ISDIR(st.st_mode) ||
+	    S_ISCHR(st.st_mode))
+		return true; /* config_load says what is wrong, if anything */
+	log_msg(LOG_ERROR, "config",
+	        "%s: not a regular file (a %s); a reload reads regular files only; keeping the "
+	        "running settings",
+	        path, S_ISFIFO(st.st_mode) ? "FIFO or pipe" : "socket or device");
+	return false;
+}
+
 /* SIGHUP: rereads the config file, applies the flags over it again, and applies what may
  * change while running (config_reload logs each change and what needs a restart); a bad
  * file changes nothing. Then rereads the AWS credentials. d->cfg only ever changes here,
@@ -230,6 +258,8 @@ static void on_sighup(uv_signal_t *h, int signum)
 		log_msg(LOG_ERROR, "config", "%s: no such file; keeping the running settings",
 		        d->cfg.file);
 		config_defaults(&next);
+	} else if (!config_path_readable_now(d)) {
+		config_defaults(&next); /* logged */
 	} else if (config_load(&next, &d->args, err, sizeof(err)) < 0) {
 		log_msg(LOG_ERROR, "config", "%s; keeping the running settings", err);
 	} else {
@@ -249,14 +279,29 @@ static void on_sighup(uv_signal_t *h, int signum)
 		sink_reload_credentials(d->sink);
 }
 
+/* Whether the DynamoDB table was named by flag or in the file (it has a default). */
+static bool table_named(const struct config *cfg)
+{
+	int i = config_setting_index("dynamodb-table");
+	return i >= 0 && cfg->source[i] != CONFIG_SRC_DEFAULT;
+}
+
 /* --check-config: the effective settings and the AWS ones (secrets masked) on stdout. */
 static int check_config(struct daemon *d)
 {
 	char awserr[AWSCONF_ERRBUF_SIZE] = "";
 
 	if (awsconf_load(&d->aws, awserr) < 0) {
-		fprintf(stderr, "convod: AWS settings: %s\n", awserr);
-		return 2;
+		/* The verdict of a start (open_persistence): fatal only when DynamoDB is wanted. */
+		if (table_named(&d->cfg) || d->cfg.create_table || awsconf_dynamodb_wanted()) {
+			fprintf(stderr, "convod: AWS settings: %s\n", awserr);
+			return 2;
+		}
+		fprintf(
+		    stderr,
+		    "convod: AWS settings: %s; no DynamoDB table, region or endpoint is set, so "
+		    "DynamoDB is not used\n",
+		    awserr);
 	}
 	config_print(&d->cfg, stdout);
 	config_print_aws(&d->aws, stdout);
@@ -271,13 +316,6 @@ static void on_table_created(void *arg, int status)
 		log_msg(LOG_INFO, "sink", "table ready");
 	else
 		log_msg(LOG_ERROR, "sink", "cannot create the table: %s", strerror(-status));
-}
-
-/* Whether the DynamoDB table was named by flag or in the file (it has a default). */
-static bool table_named(const struct config *cfg)
-{
-	int i = config_setting_index("dynamodb-table");
-	return i >= 0 && cfg->source[i] != CONFIG_SRC_DEFAULT;
 }
 
 /* Takes STATE_DIR/convod.lock (flock, exclusive) for as long as the daemon runs: a second
@@ -349,10 +387,20 @@ static int open_persistence(struct daemon *d)
 	{
 		char awserr[AWSCONF_ERRBUF_SIZE] = "";
 		rc = awsconf_load(&d->aws, awserr);
-		if (rc < 0) {
+		/* Settings that cannot be read stop the start only when DynamoDB is wanted: a
+		 * table named, or a region or endpoint in the environment or the config file.
+		 * Otherwise a shell's AWS_PROFILE or a stale ~/.aws would keep the embedded
+		 * default, which never uses them, from starting. */
+		if (rc < 0 &&
+		    (table_named(&d->cfg) || d->cfg.create_table || awsconf_dynamodb_wanted())) {
 			log_msg(LOG_ERROR, "aws", "%s", awserr);
 			return rc;
 		}
+		if (rc < 0)
+			log_msg(LOG_WARN, "aws",
+			        "%s; no DynamoDB table, region or endpoint is set, so DynamoDB is "
+			        "not used: the local store is the sink",
+			        awserr);
 	}
 	remote = awsconf_dynamodb_configured(&d->aws);
 	sink_config_from(&d->cfg, &sc);
@@ -442,7 +490,7 @@ int main(int argc, char **argv)
 		goto out;
 	}
 
-	rc = make_dirs(d.cfg.state_dir);
+	rc = d.cfg.memory_only ? 0 : make_dirs(d.cfg.state_dir); /* no store, no lock */
 	if (rc < 0) {
 		log_msg(LOG_ERROR, "main", "cannot create state directory %s: %s", d.cfg.state_dir,
 			strerror(-rc));

@@ -146,6 +146,8 @@ struct sink {
 	uint64_t hash_seed, rng;
 
 	struct htable convs, entries, repairs;
+	/* the endpoint and signing region the client uses: a reload cannot change them */
+	char endpoint[512], region[80];
 	size_t depth;
 	struct entry *ready_head, *ready_tail;
 	struct entry **heap; /* min-heap on next_ms of the waiting entries */
@@ -707,7 +709,8 @@ static void maybe_reload_credentials(struct sink *s)
 int sink_reload_credentials(struct sink *s)
 {
 	struct awsconf conf;
-	char err[AWSCONF_ERRBUF_SIZE], line[256];
+	char err[AWSCONF_ERRBUF_SIZE], line[256], endpoint[512];
+	bool same;
 	int rc;
 
 	if (!s || !s->client)
@@ -723,11 +726,25 @@ int sink_reload_credentials(struct sink *s)
 		awsconf_free(&conf);
 		return -ENOKEY;
 	}
+	/* The endpoint and region are the client's for good: only the keys are taken. */
+	if (awsconf_endpoint(&conf, endpoint, sizeof(endpoint)) < 0)
+		endpoint[0] = '\0';
+	same = strcmp(endpoint, s->endpoint) == 0 &&
+	       strcmp(awsconf_signing_region(&conf), s->region) == 0;
+	if (!same)
+		log_msg(LOG_WARN, SUBSYS,
+		        "the AWS settings now give endpoint %s, region %s; that needs a restart: "
+		        "keeping %s, region %s",
+		        endpoint[0] ? endpoint : "(none)", awsconf_signing_region(&conf),
+		        s->endpoint, s->region);
 	rc = ddbclient_set_credentials(s->client, conf.access_key_id, conf.secret_access_key,
 	                               conf.session_token);
-	if (rc == 0)
+	if (rc == 0 && same)
 		log_msg(LOG_INFO, SUBSYS, "AWS credentials reread: %s",
 		        awsconf_describe(&conf, line, sizeof(line)));
+	else if (rc == 0)
+		log_msg(LOG_INFO, SUBSYS, "AWS credentials reread (endpoint %s, region %s)",
+		        s->endpoint, s->region);
 	else
 		log_msg(LOG_WARN, SUBSYS, "the reread AWS credentials were refused: %s",
 		        strerror(-rc));
@@ -1969,7 +1986,7 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 {
 	struct sink *s = NULL;
 	struct ddbclient_options o;
-	char endpoint[512], host[300], line[256];
+	char endpoint[512], host[300];
 	uint64_t seed;
 	int rc;
 
@@ -2044,8 +2061,8 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 			        "no AWS credentials found; writes wait in the spool until they "
 			        "appear");
 		}
-		log_msg(LOG_INFO, SUBSYS, "DynamoDB table %s: %s", s->table,
-		        awsconf_describe(aws, line, sizeof(line)));
+		snprintf(s->endpoint, sizeof(s->endpoint), "%s", endpoint);
+		snprintf(s->region, sizeof(s->region), "%s", awsconf_signing_region(aws));
 	}
 	uv_timer_init(loop, &s->timer);
 	uv_timer_init(loop, &s->close_timer);

@@ -681,3 +681,156 @@ def test_suppressed_count_written_at_the_stop_reload_report_never_suppressed(dae
     assert "config: max-messages 1014 -> 1015" in log, log
     assert re.search(r"info config: \(suppressed 5 similar messages\)\ninfo main: stopped\n$",
                      log), log[-2000:]
+
+
+# --- AWS settings the embedded default does not use ----------------------------------------
+
+
+def aws_free_env(tmp, **extra):
+    """No AWS variable from the caller's environment; HOME at tmp (no ~/.aws there)."""
+    env = {k: "" for k in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+                           "AWS_ENDPOINT_URL_DYNAMODB", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+                           "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
+                           "AWS_SHARED_CREDENTIALS_FILE")}
+    env["HOME"] = tmp
+    env.update(extra)
+    return env
+
+
+def _aws_home(tmp, config=None, credentials_dir=False):
+    os.makedirs(os.path.join(tmp, ".aws"), exist_ok=True)
+    if config is not None:
+        write(os.path.join(tmp, ".aws", "config"), config)
+    if credentials_dir:
+        os.makedirs(os.path.join(tmp, ".aws", "credentials"), exist_ok=True)
+    return {}
+
+
+BROKEN_AWS = {
+    "missing profile": (lambda t: {"AWS_PROFILE": "work"}, "profile 'work' is in neither"),
+    "bad profile name": (lambda t: {"AWS_PROFILE": "a]b"}, "not a profile name"),
+    "half a key pair": (lambda t: {"AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE"},
+                        "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not"),
+    "credentials a directory": (lambda t: _aws_home(t, credentials_dir=True),
+                                "credentials: is a directory"),
+    "config a FIFO": (lambda t: (_aws_home(t), os.mkfifo(os.path.join(t, ".aws", "config")),
+                                 {})[-1], "config: not a regular file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_AWS))
+def test_embedded_default_starts_despite_unusable_aws_settings(daemon_factory, tmpdir_path,
+                                                               case):
+    """AWS settings that cannot be used (a shell's AWS_PROFILE, a stale ~/.aws) do not keep
+    the embedded default from starting: with no table named and no region or endpoint
+    anywhere, DynamoDB is not used, so they are a warning, and the local store works. Where
+    DynamoDB is wanted (a region in the environment, a table named) they stop the start as
+    before, and --check-config gives the same verdicts."""
+    make, says = BROKEN_AWS[case]
+    env = aws_free_env(tmpdir_path, **make(tmpdir_path))
+    d = daemon_factory([], env=env)
+    c = d.connect()
+    c.ok({"op": "add_user", "conversation": "local", "contents": "kept"})
+    assert c.ok({"op": "stats"})["sink"]["kind"] == "local"
+    assert re.search(r"warn aws: .*%s.*DynamoDB is not used: the local store is the sink"
+                     % re.escape(says), d.log()), d.log()
+    rc, out, err = run_convod(["--check-config"], env=env, timeout=5)
+    assert rc == 0 and "DynamoDB is not used" in err, (rc, err)
+    # Wanted: the same settings stop the start.
+    for extra, args in (({"AWS_REGION": "us-east-1"}, []), ({}, ["--dynamodb-table", "my-table"])):
+        d2 = daemon_factory(args, env=dict(env, **extra), start=False)
+        d2.start(wait=False)
+        assert d2.proc.wait(scaled(20)) == 1, d2.log()
+        assert "error aws: " in d2.log() and says in d2.log(), d2.log()
+        rc, out, err = run_convod(["--check-config"] + args, env=dict(env, **extra), timeout=5)
+        assert rc == 2 and says in err, (rc, err)
+
+
+def test_aws_config_section_header_may_carry_a_comment(tmpdir_path):
+    """'[default]  # mine' is a section header to the AWS tools' parser, and here."""
+    _aws_home(tmpdir_path, config="[default]  # mine\nregion = eu-west-1 \n"
+                                  "[profile b] ; theirs\nregion = us-east-2\n")
+    rc, out, err = run_convod(["--check-config"], env=aws_free_env(tmpdir_path), timeout=5)
+    assert rc == 0, err
+    assert re.search(r"region = eu-west-1 \(config file\)", out), out
+    rc, out, err = run_convod(["--check-config"],
+                              env=aws_free_env(tmpdir_path, AWS_PROFILE="b"), timeout=5)
+    assert rc == 0 and re.search(r"region = us-east-2 \(config file\)", out), (out, err)
+    _aws_home(tmpdir_path, config="[default] region = x\n")
+    rc, out, err = run_convod(["--check-config"], env=aws_free_env(tmpdir_path), timeout=5)
+    assert rc == 0 and "expected '[section]'" in err, (rc, err)  # not wanted: a warning
+
+
+def test_reload_of_a_config_fifo_keeps_serving(daemon_factory, tmpdir_path):
+    """A config file replaced by a FIFO: the reload refuses it (reading it would hold the
+    loop until a writer came) and keeps the running settings; requests go on."""
+    conf = os.path.join(tmpdir_path, "convod.conf")
+    write(conf, "max-messages = 3\n")
+    d = daemon_factory(["--config", conf])
+    c = d.connect()
+    os.unlink(conf)
+    os.mkfifo(conf)
+    d.signal(signal.SIGHUP)
+    wait_log(d, r"not a regular file \(a FIFO or pipe\); a reload reads regular files only; "
+                r"keeping the running settings")
+    assert c.ok({"op": "ping"})["pong"] is True
+    fill(c, "fifo", 3)
+    # max-messages = 3 still holds
+    c.err({"op": next_role(3), "conversation": "fifo", "contents": "one more"}, "too_large")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the daemon as nobody: needs root")
+def test_memory_only_needs_no_state_dir(tmpdir_path):
+    """--memory-only has no store and no lock: a state directory the user cannot create
+    does not stop it."""
+    os.chmod(tmpdir_path, 0o777)
+    sock = os.path.join(tmpdir_path, "s")
+    p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          CONVOD, "--memory-only", "--socket", sock,
+                          "--state-dir", "/root/convod-not-creatable/x"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + scaled(15)
+        while not os.path.exists(sock) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert p.poll() is None, p.stdout.read().decode()
+        c = Conn(sock)
+        assert c.request({"op": "ping"})["ok"] is True
+        c.close()
+        assert not os.path.exists("/root/convod-not-creatable")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(scaled(20)) == 0
+
+
+def test_reload_keeps_the_endpoint_and_says_so(daemon_factory, tmpdir_path, dynalite,
+                                               ddb_table):
+    """A SIGHUP rereads the AWS settings for their keys only: an endpoint and region changed
+    in the AWS config file are logged as needing a restart, the log never claims the new
+    ones, and writes still go to the running endpoint."""
+    from test_persistence import ddb_env, wait_drained
+    aws = os.path.join(tmpdir_path, "aws-config")
+    write(aws, "[default]\nregion = us-east-1\nendpoint_url = %s\n" % dynalite)
+    env = dict(ddb_env(dynalite), AWS_CONFIG_FILE=aws, AWS_REGION="",
+               AWS_ENDPOINT_URL_DYNAMODB="")
+    d = daemon_factory(["--dynamodb-table", ddb_table, "--flush-interval", "50"], env=env)
+    c = d.connect()
+    write(aws, "[default]\nregion = eu-west-1\nendpoint_url = http://127.0.0.1:9\n")
+    d.signal(signal.SIGHUP)
+    log = wait_log(d, r"AWS credentials reread")
+    assert re.search(r"warn sink: the AWS settings now give endpoint http://127\.0\.0\.1:9, "
+                     r"region eu-west-1; that needs a restart: keeping %s, region us-east-1"
+                     % re.escape(dynalite), log), log
+    assert "reread: dynamodb: endpoint http://127.0.0.1:9" not in log
+    c.ok({"op": "add_user", "conversation": "kept-endpoint", "contents": "hi"})
+    c.ok({"op": "flush", "conversation": "kept-endpoint"})
+    st = wait_drained(c)
+    assert st["sink"]["confirmed"] >= 1 and st["sink"]["failures"] == 0, st["sink"]
+    # The same endpoint again: the usual line, no warning.
+    write(aws, "[default]\nregion = us-east-1\nendpoint_url = %s\n" % dynalite)
+    d.signal(signal.SIGHUP)
+    log = wait_log(d, r"AWS credentials reread", count=2)
+    assert log.count("that needs a restart") == 1, log
+    assert re.search(r"AWS credentials reread: dynamodb: endpoint %s" % re.escape(dynalite),
+                     log), log
