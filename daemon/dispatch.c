@@ -382,6 +382,55 @@ static void revert_collect(void *arg, struct convo *c)
 	r->list = c;
 }
 
+/* A message's mark stamp (stamp_marks), kept in 48 bits so that struct message does not
+ * grow: at a million commits a second they last nine years; beyond, a stamp reads as
+ * written, which keeps the mark. */
+static uint64_t mark_stamp(const struct message *m)
+{
+	return (uint64_t)m->daemon_mark_hi << 32 | m->daemon_mark_lo;
+}
+
+static void mark_stamp_set(struct message *m, uint64_t seq)
+{
+	if (seq >> 48)
+		seq = 0;
+	m->daemon_mark_hi = (uint16_t)(seq >> 32);
+	m->daemon_mark_lo = (uint32_t)seq;
+}
+
+/* The store's copy of the client's marks is as old as the last flush tick (persist_marks):
+ * fresh, c read back from it after a failed commit, takes over c's marks of the versions it
+ * holds, unless a read whose answer the failure turns into `unavailable` moved them (stamped
+ * with a transaction after the last one written, after). Otherwise an incremental
+ * to_messages_map returned again what an ok answer had returned, or never what a failed
+ * one had shown. Returns the index of the first message whose mark moved (fresh->nlog:
+ * none), for persist_marks to write. */
+static size_t carry_marks(const struct convo *c, struct convo *fresh, uint64_t after)
+{
+	size_t from = fresh->nlog, j = 0;
+
+	for (size_t i = 0; i < fresh->nlog; i++) {
+		struct message *f = fresh->log[i];
+		const struct message *m;
+		size_t k = j;
+
+		/* Both logs are in the same order; the memory copy may hold more. */
+		while (k < c->nlog && strcmp(c->log[k]->id, f->id) != 0)
+			k++;
+		if (k == c->nlog)
+			continue;
+		j = k + 1;
+		m = c->log[k];
+		if (f->seen[CONSUMER_CLIENT] != f->version &&
+		    m->seen[CONSUMER_CLIENT] == f->version && mark_stamp(m) <= after) {
+			f->seen[CONSUMER_CLIENT] = f->version;
+			if (from == fresh->nlog)
+				from = i;
+		}
+	}
+	return from;
+}
+
 /* After a failed commit: the store holds everything up to the transaction committed last
  * (after); every conversation changed since (in a transaction submitted later, or in the
  * open one) is made to match it again: read back, or, when it cannot be read (no memory, an
@@ -401,6 +450,7 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 	d->store_dirty = NULL;
 	for (c = r.list; c; c = next) {
 		struct convo *fresh = NULL;
+		size_t marks_from;
 		int rc;
 
 		next = c->daemon_next_store;
@@ -417,8 +467,9 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 			continue;
 		}
 		loaded_from_store(d, fresh);
+		marks_from = carry_marks(c, fresh, after);
 		unmark_sink_dirty(d, c);
-		unmark_marks_dirty(d, c); /* the store's marks are the fresh copy's */
+		unmark_marks_dirty(d, c);
 		convo_free(registry_take(&d->reg, c->id, c->id_len));
 		if (registry_put(&d->reg, fresh) < 0) {
 			convo_free(fresh);
@@ -426,6 +477,8 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 			unread_rc = -ENOMEM;
 			continue;
 		}
+		if (marks_from < fresh->nlog)
+			mark_marks_dirty(d, fresh, marks_from);
 		if (sink_has_pending(fresh))
 			mark_sink_dirty(d, fresh);
 	}
@@ -1030,8 +1083,50 @@ static void mark_answer(struct dispatch *d)
  * written open again (a closed conversation read) is no change a read shows. */
 static void mark_read(struct dispatch *d, const struct convo *c)
 {
-	if (c && ((c->daemon_flags & FLAG_DATA_DIRTY) || c->daemon_data_seq > d->committed))
+	if (!c)
+		return;
+	if (c->daemon_flags & FLAG_DATA_DIRTY) {
 		mark_answer(d);
+	} else if (c->daemon_data_seq > d->committed) {
+		/* It shows a change submitted before this turn: its answer stands or falls with
+		 * that transaction. It was bound to the turn's, so that a read of a change that
+		 * was written failed with an unrelated change of a later transaction. */
+		mark_answer(d);
+		d->answer_shows = c->daemon_data_seq;
+	}
+}
+
+/* The transaction that must be written for the answer of a read of c to stand (mark_read):
+ * the one holding c's last change, or the next to be submitted for a change of this turn; 0
+ * when its answer is not held. */
+static uint64_t read_seq(const struct dispatch *d, const struct convo *c)
+{
+	struct store_progress p;
+
+	if (!d->store || d->cfg->durability == DURABILITY_NONE)
+		return 0;
+	if (c->daemon_flags & FLAG_DATA_DIRTY) {
+		/* Only the loop submits, and its next submit carries this turn's changes. */
+		store_progress(d->store, &p);
+		return p.submitted + 1;
+	}
+	return c->daemon_data_seq > d->committed ? c->daemon_data_seq : 0;
+}
+
+/* Before a to_messages_map of c: the messages an incremental call would mark are stamped
+ * with the transaction its answer waits for, so that a failed commit keeps the marks of
+ * the answers that stand and undoes those of the answers it turns into `unavailable`
+ * (carry_marks). A read with nothing to wait for stamps nothing: a stamp it leaves on a
+ * message it takes is of a transaction written already, which keeps the mark. */
+static void stamp_marks(const struct dispatch *d, struct convo *c)
+{
+	uint64_t seq = read_seq(d, c);
+
+	if (!seq)
+		return;
+	for (size_t i = c->scan_from[CONSUMER_CLIENT]; i < c->nlog; i++)
+		if (convo_pending(c->log[i], CONSUMER_CLIENT))
+			mark_stamp_set(c->log[i], seq);
 }
 
 /* A request's id as its answer echoes it: its text as the request wrote it (raw), or
@@ -1838,6 +1933,8 @@ static bool fast_read(struct dispatch *d, const struct fast_req *f, struct buf *
 		struct emit_ctx ec = {d, out, f->id.raw ? &f->id : NULL, f->op, out->len};
 		uint64_t takes = c->client_takes;
 		size_t from = c->scan_from[CONSUMER_CLIENT];
+		if (f->op == OP_TO_MESSAGES_MAP && args.incremental)
+			stamp_marks(d, c);
 		if (ops_read_direct(f->op, c, &args, emit_answer, &ec, &err) != ERR_OK) {
 			if (created)
 				drop_conversation(d, c);
@@ -2379,6 +2476,8 @@ static enum dispatch_result dispatch_one(struct dispatch *d, const char *line, s
 		struct emit_ctx ec = {d, out, idp, op, out->len};
 		uint64_t takes = c->client_takes;
 		size_t from = c->scan_from[CONSUMER_CLIENT];
+		if (op == OP_TO_MESSAGES_MAP)
+			stamp_marks(d, c);
 		code = ops_run_emit(op, c, &env, req, emit_answer, &ec, &changed, &err);
 		if (code != ERR_OK) {
 			if (created)
@@ -2421,6 +2520,7 @@ enum dispatch_result dispatch_line(struct dispatch *d, const char *line, size_t 
 	enum dispatch_result r;
 
 	d->answer_dependent = false;
+	d->answer_shows = 0;
 	r = dispatch_one(d, line, len, out, waiter, remote, &op);
 	d->answer_op = op;
 	if (r == DISPATCH_DONE && out->len == start && !is_blank(line, len))

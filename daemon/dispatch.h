@@ -102,6 +102,8 @@ struct dispatch {
 	uint64_t failures;        /* commits failed so far (the server compares) */
 	const char *fail_why;     /* the last failure, for the answers it turns into errors */
 	bool answer_dependent;    /* the answer dispatch_line wrote depends on the commit */
+	uint64_t answer_shows;    /* a dependent read's: the transaction holding what it shows,
+	                           * submitted before it (0: this turn's) */
 	enum op answer_op;        /* the op of the request dispatch_line answered last */
 	bool store_failing;       /* the last commit failed (logged once until it recovers) */
 	/* Conversations that could not be read back after a failed commit left memory: with

@@ -39,6 +39,7 @@ struct hold {
 struct dep {
 	uint64_t seq, epoch;
 	uint64_t sub; /* the dispatcher's nsubmits when it was made (dispatch_seq_after) */
+	uint64_t shows; /* a read's of a change submitted before it: that transaction (else 0) */
 	size_t start, end;
 	enum op op; /* the request's, for the error count if its answer becomes unavailable */
 };
@@ -254,6 +255,7 @@ static enum dispatch_result conn_dispatch(struct conn *c, const char *line, size
 		c->deps[c->ndeps].seq = 0;
 		c->deps[c->ndeps].epoch = d->failures;
 		c->deps[c->ndeps].sub = d->nsubmits;
+		c->deps[c->ndeps].shows = d->answer_shows;
 		c->deps[c->ndeps].start = start;
 		c->deps[c->ndeps].end = c->out.len;
 		c->deps[c->ndeps].op = d->answer_op;
@@ -521,7 +523,9 @@ static void conn_fail_deps(struct conn *c)
 		int rc = 0;
 		for (size_t i = 0; i < c->ndeps && !rc; i++) {
 			struct dep dp = c->deps[i];
-			uint64_t seq = dp.seq ? dp.seq : dispatch_seq_after(d, dp.sub);
+			uint64_t seq = dp.seq     ? dp.seq
+			               : dp.shows ? dp.shows
+			                          : dispatch_seq_after(d, dp.sub);
 			if ((rc = buf_append(&fresh, c->out.data + pos, dp.start - pos)) != 0)
 				break;
 			pos = dp.end;
@@ -601,7 +605,8 @@ static void server_turn(struct server *s)
 			c->next_dirty = NULL;
 			/* The turn's dependent answers depend on the transaction handed over first
 			 * after each was made: mostly the one just submitted, but the flush timer
-			 * or a retry_dead_letters may have committed part of the turn before.
+			 * or a retry_dead_letters may have committed part of the turn before. A
+			 * read of a change submitted before the turn depends on that one.
 			 * Each is held for its own (one written already too, when something is
 			 * held after it: it goes out at the next release): were it held for a
 			 * later one, that one's failure would turn it into `unavailable` though
@@ -611,7 +616,8 @@ static void server_turn(struct server *s)
 				first--;
 			for (size_t i = first; i < c->ndeps; i++) {
 				struct dep *dp = &c->deps[i];
-				uint64_t seq = dispatch_seq_after(s->dispatch, dp->sub);
+				uint64_t seq = dp->shows ? dp->shows
+				                         : dispatch_seq_after(s->dispatch, dp->sub);
 				/* (A void one was failed above, when the failure was taken.) */
 				dp->seq = seq && seq != DISPATCH_SEQ_VOID ? seq : hold;
 				if (dp->seq &&

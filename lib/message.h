@@ -46,6 +46,7 @@ struct message {
 	uint8_t role;           /* enum role */
 	bool fake;              /* attribute starts with "fake" */
 	uint8_t inline_parts;   /* MESSAGE_INLINE_*: what lives in the message's own block */
+	uint16_t daemon_mark_hi; /* (see daemon_mark_lo) */
 	uint32_t merges;        /* number of "merged" entries in attribute */
 	uint32_t version;       /* 1 at creation, +1 per real change */
 	uint32_t ncontents;
@@ -59,6 +60,10 @@ struct message {
 	char (*summary_ids)[ULID_LEN + 1]; /* summaries only; owned */
 	int64_t updated_ms;     /* Unix ms of the last change */
 	uint32_t seen[CONSUMER_COUNT]; /* version each consumer last took; 0 = never */
+	/* The daemon's, never read or written by the library: the low 32 bits of the store
+	 * transaction that must be written for the client's mark (seen[CONSUMER_CLIENT]) to
+	 * stand; daemon_mark_hi has the next 16 (the struct's padding: it stays 112 bytes). */
+	uint32_t daemon_mark_lo;
 };
 
 /* Timing key k of m: Unix ms, or -1 when unset (creation is always set). */

@@ -9,12 +9,13 @@ import signal
 import sqlite3
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
 
 import ddb
-from conftest import scaled
+from conftest import _probe_real, scaled
 from test_persistence import (_all_dead_lettered, ddb_daemon, ddb_env, store_rows,
                               table_matches_daemon, wait_drained, wait_until)
 
@@ -488,3 +489,108 @@ def test_disk_full_flush_is_undone_and_sent_later(daemon_factory, small_fs, dyna
     assert texts[0] == "known" and len(texts) == len(set(texts)), texts
     assert spool_rows(state) == 0
     assert d.stop() == 0, d.log()
+
+
+BIG = "y" * 300000
+
+
+def texts_of(result):
+    return [t for m in result["messages"] for t in m["message"]["contents"]]
+
+
+@pytest.mark.parametrize("durability", ["process", "machine"])
+def test_disk_full_keeps_to_messages_map_marks_of_ok_answers(daemon_factory, small_fs,
+                                                             durability):
+    """A failed commit read the conversation back from the store, whose client marks are
+    only as recent as the last flush tick: the next incremental to_messages_map returned
+    again what an ok answer had returned (protocol.md allows that only after a crash). The
+    marks of the answers that stand are kept; those of a read the failure turns into
+    `unavailable` are undone, so that the retry returns what it showed."""
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--durability", durability,
+                        "--flush-interval", "600000"])
+    c = d.connect()
+    c.ok({"op": "add_user", "conversation": "x", "contents": "a"})
+    c.ok({"op": "add_assistant", "conversation": "x", "contents": "b"})
+    c.ok({"op": "add_user", "conversation": "x", "contents": "c"})
+    assert texts_of(c.ok({"op": "to_messages_map", "conversation": "x"})) == ["a", "b"]
+    assert c.ok({"op": "to_messages_map", "conversation": "x"})["messages"] == []
+    filler = fill(small_fs)
+    r = c.request({"op": "add_assistant", "conversation": "x", "contents": "big " + BIG})
+    assert not r["ok"] and r["error"]["code"] == "unavailable", r
+    os.unlink(filler)
+    after = c.ok({"op": "to_messages_map", "conversation": "x"})
+    assert after["messages"] == [], "returned again after a failed commit: %s" % after
+    # The marks were saved by the stop (its checkpoint frees the WAL the big change grew).
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    assert c.ok({"op": "to_messages_map", "conversation": "x"})["messages"] == []
+    # A read in the turn of a failed change, answered unavailable: what it showed is
+    # returned by the retry. The lines are sent while the daemon is stopped (one loop turn
+    # for both), from a thread, as they may not all fit in the socket's buffer.
+    c.ok({"op": "add_assistant", "conversation": "x", "contents": "d"})
+    filler = fill(small_fs)
+    d.signal(signal.SIGSTOP)
+    sender = threading.Thread(target=c.send_raw, args=(
+        (json.dumps({"id": "w", "op": "add_user", "conversation": "x",
+                     "contents": "big " + BIG[:150000]}) + "\n" +
+         json.dumps({"id": "r", "op": "to_messages_map", "conversation": "x"}) +
+         "\n").encode(),))
+    sender.start()
+    time.sleep(0.2)
+    d.signal(signal.SIGCONT)
+    sender.join()
+    w, r = c.recv(), c.recv()
+    os.unlink(filler)
+    assert not w["ok"] and not r["ok"] and r["error"]["code"] == "unavailable", (w, r)
+    assert texts_of(c.ok({"op": "to_messages_map", "conversation": "x"})) == ["c"]
+    assert d.stop() == 0, d.log()
+    d.start()
+    c = d.connect()
+    assert texts_of(c.ok({"op": "to_messages_map", "conversation": "x",
+                          "exclude_last": False})) == ["d"]
+
+
+def test_disk_full_read_of_a_change_in_flight(daemon_factory, small_fs):
+    """At durability machine on a slow disk: A's add to x is being written (transaction 5)
+    when B's turn reads x incrementally and adds a change to y too big for the disk (6). The
+    read was bound to 6: 5 was written and 6 failed, the read was answered `unavailable`,
+    yet x, written, was not read back, so the client marks it moved stayed, and the retry
+    never returned m1. A read stands or falls with the transaction holding what it shows."""
+    lib = _probe_real("SLOWSYNC_LIB", "libslowsync.so")  # in the build of $CONVOD_BIN
+    assert os.path.exists(lib), "libslowsync.so not built at %s" % lib
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--durability", "machine",
+                        "--flush-interval", "600000"], start=False)
+    d.env = dict(d.env or {})
+    d.env.update({"LD_PRELOAD": " ".join(filter(None, [d.env.get("LD_PRELOAD"), lib])),
+                  "SLOWSYNC_MS": "150",
+                  # An ASan build wants its runtime first; the library only delays calls.
+                  "ASAN_OPTIONS": os.environ.get("ASAN_OPTIONS", "") +
+                  ":verify_asan_link_order=0"})
+    d.start()
+    a, b = d.connect(), d.connect()
+    a.ok({"op": "add_user", "conversation": "y", "contents": "y0"})
+    # Room for m1's transaction, not for the big one.
+    spare = os.path.join(small_fs, "spare")
+    with open(spare, "wb") as f:
+        f.write(b"\2" * 65536)
+    filler = fill(small_fs)
+    os.unlink(spare)
+    try:
+        a.send({"id": "ax", "op": "add_user", "conversation": "x", "contents": "m1"})
+        time.sleep(0.04)  # submitted: the writer is in its sync
+        b.send_raw((json.dumps({"id": "by", "op": "add_assistant", "conversation": "y",
+                                "contents": "big " + BIG}) + "\n" +
+                    json.dumps({"id": "rx", "op": "to_messages_map", "conversation": "x",
+                                "exclude_last": False}) + "\n").encode())
+        ax = a.recv()
+        by, rx = b.recv(), b.recv()
+    finally:
+        os.unlink(filler)
+    assert ax["ok"], ax
+    assert not by["ok"] and by["error"]["code"] == "unavailable", by
+    assert rx["ok"] and texts_of(rx["result"]) == ["m1"], rx
+    assert b.ok({"op": "to_messages_map", "conversation": "x",
+                 "exclude_last": False})["messages"] == []
