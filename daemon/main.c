@@ -414,9 +414,7 @@ static int open_persistence(struct daemon *d)
 	if (rc < 0)
 		return rc;
 	if (remote) {
-		char desc[256];
-		log_msg(LOG_INFO, "sink", "DynamoDB table %s at %s", d->cfg.dynamodb_table,
-			awsconf_describe(&d->aws, desc, sizeof(desc)));
+		/* (sink_new logs the table and the AWS settings) */
 		if (d->cfg.create_table)
 			sink_create_table(d->sink, on_table_created, d);
 	} else if (table_named(&d->cfg) || d->cfg.create_table) {

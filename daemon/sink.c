@@ -1986,7 +1986,7 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 {
 	struct sink *s = NULL;
 	struct ddbclient_options o;
-	char endpoint[512], host[300];
+	char endpoint[512], host[300], line[256];
 	uint64_t seed;
 	int rc;
 
@@ -2063,6 +2063,8 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 		}
 		snprintf(s->endpoint, sizeof(s->endpoint), "%s", endpoint);
 		snprintf(s->region, sizeof(s->region), "%s", awsconf_signing_region(aws));
+		log_msg(LOG_INFO, SUBSYS, "DynamoDB table %s at %s", s->table,
+		        awsconf_describe(aws, line, sizeof(line)));
 	}
 	uv_timer_init(loop, &s->timer);
 	uv_timer_init(loop, &s->close_timer);
