@@ -316,13 +316,15 @@ static void spool_take_cb(void *arg, const struct message *m, size_t index)
 	e->version = m->version;
 	e->at_ms = t->now_ms;
 	e->seq = 0; /* this turn's: set when it is submitted */
+	e->put_again = false;
 	d->scratch.len = 0;
 	if (message_write_map(&d->scratch, m) < 0) {
 		free(e->conv);
 		d->tx_error = -ENOMEM;
 		return;
 	}
-	rc = store_spool_put(d->store, e->conv, e->conv_len, e->sk, e->version, d->scratch.len,
+	e->map_bytes = d->scratch.len;
+	rc = store_spool_put(d->store, e->conv, e->conv_len, e->sk, e->version, e->map_bytes,
 	                     e->at_ms);
 	if (rc < 0) {
 		free(e->conv);
@@ -337,7 +339,7 @@ static void spool_take_cb(void *arg, const struct message *m, size_t index)
 static size_t sink_take(struct dispatch *d, struct convo *c, bool include_last)
 {
 	struct take_ctx t = {d, c, dispatch_now_ms()};
-	size_t n;
+	size_t from = c->scan_from[CONSUMER_SINK], n;
 
 	if (d->remote && ensure_tx(d) < 0)
 		return 0;
@@ -345,9 +347,17 @@ static size_t sink_take(struct dispatch *d, struct convo *c, bool include_last)
 	if (n)
 		d->changed = true;
 	/* Taken with no spool row to show for it (the transaction failed already): this turn's
-	 * commit fails, and commit_failed reads the conversation back from the store. */
-	if (n && d->remote && d->tx_error)
+	 * commit fails, and commit_failed reads the conversation back from the store. At
+	 * durability none it keeps memory instead: the take is undone here (a message taken
+	 * before at the same version is sent again, which is harmless). */
+	if (n && d->remote && d->tx_error) {
 		c->daemon_flags |= FLAG_STORE_DIRTY;
+		if (d->cfg->durability == DURABILITY_NONE) {
+			for (size_t i = from; i < c->nlog; i++)
+				c->log[i]->seen[CONSUMER_SINK] = 0;
+			c->scan_from[CONSUMER_SINK] = from;
+		}
+	}
 	if (d->remote) {
 		if (sink_has_pending(c))
 			mark_sink_dirty(d, c);
@@ -492,6 +502,29 @@ static void revert_to_store(struct dispatch *d, uint64_t after)
 	}
 }
 
+/* After a failed commit at durability none: its changes were answered ok before it was
+ * tried, so memory keeps them (persistence.md: none loses what a crash takes, not what a
+ * full disk refuses). Every conversation it or the open transaction wrote goes into the
+ * next commit again, whole (which of its messages the void transactions held is not
+ * known), with its row; the flush tick tries again. */
+static void keep_for_retry(struct dispatch *d, uint64_t after)
+{
+	struct revert_ctx r = {after, NULL};
+	struct convo *c, *next;
+
+	registry_each(&d->reg, revert_collect, &r);
+	d->store_dirty = NULL;
+	for (c = r.list; c; c = next) {
+		next = c->daemon_next_store;
+		c->daemon_next_store = NULL;
+		c->daemon_flags &= ~(unsigned int)(FLAG_STORE_DIRTY | FLAG_ROW_OPEN);
+		for (size_t i = 0; i < c->nlog; i++)
+			c->log[i]->seen[CONSUMER_STORE] = 0;
+		c->scan_from[CONSUMER_STORE] = 0;
+		mark_store_dirty(d, c);
+	}
+}
+
 /* Makes msg valid UTF-8 in place: a message may quote request bytes, or be cut by the
  * fixed-size buffer in the middle of a character. Invalid or cut sequences become '?'. */
 static void utf8_sanitize(char *msg)
@@ -569,18 +602,66 @@ int dispatch_fail_answer(struct dispatch *d, struct buf *to, const char *answer,
 	return rc;
 }
 
-/* A commit failed (rc): put memory back as the store holds it, void what was taken after
- * it, and tell the server (d->failures). */
+/* What the transactions up to d->committed finished: their spool rows go to the sink, and
+ * the conversations they closed leave memory once the sink is done with them. Run on
+ * every advance of d->committed, a failed commit's included: dispatch_progress sees no
+ * advance after it. */
+static void hand_over_committed(struct dispatch *d)
+{
+	size_t k = 0;
+
+	/* Spool rows written now: the sink may send them. */
+	for (size_t i = 0; i < d->nspooled; i++) {
+		struct spool_entry *e = &d->spooled[i];
+		if (!e->seq || e->seq > d->committed) {
+			d->spooled[k++] = *e;
+			continue;
+		}
+		/* Not taken (the sink is closing, or closed): sent by the next start. */
+		if (d->sink && sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version,
+		                            e->at_ms) == -ENOMEM) {
+			log_msg(LOG_ERROR, "sink",
+			        "out of memory queueing a write; it stays in the spool");
+			sink_lost(d->sink);
+		}
+		free(e->conv);
+	}
+	d->nspooled = k;
+	/* Closed conversations whose close is written leave memory, once the sink is done. */
+	k = 0;
+	for (size_t i = 0; i < d->nclosing; i++) {
+		struct closing *e = &d->closing[i];
+		struct convo *c;
+		if (e->seq > d->committed) {
+			d->closing[k++] = *e;
+			continue;
+		}
+		c = registry_get(&d->reg, e->conv, e->conv_len);
+		if (c && (c->daemon_flags & FLAG_CLOSING) && c->daemon_store_seq <= d->committed &&
+		    !(c->daemon_flags & FLAG_STORE_DIRTY) &&
+		    (!d->remote || sink_pending(d->sink, c->id, c->id_len) == 0))
+			drop_conversation(d, c);
+		free(e->conv);
+	}
+	d->nclosing = k;
+}
+
+/* A commit failed (rc): put memory back as the store holds it (at durability none, keep it
+ * and write it again: keep_for_retry), void what was taken after it, and tell the server
+ * (d->failures). */
 static void commit_failed(struct dispatch *d, int rc)
 {
+	bool none = d->cfg->durability == DURABILITY_NONE;
 	struct store_progress p;
 	size_t k = 0;
 
 	d->fail_why = rc == -ENOSPC ? "the local store is full (disk full)"
 	                            : "the local store cannot be written";
 	if (!d->store_failing)
-		log_msg(LOG_ERROR, "store", "commit failed: %s (%s); answering unavailable",
-		        d->fail_why, strerror(-rc));
+		log_msg(LOG_ERROR, "store", "commit failed: %s (%s); %s", d->fail_why,
+		        strerror(-rc),
+		        none ? "changes kept in memory, written again at the next flush tick"
+		             : "answering unavailable");
 	d->store_failing = true;
 	d->failures++;
 	d->tx_error = 0;
@@ -592,15 +673,19 @@ static void commit_failed(struct dispatch *d, int rc)
 	/* The flusher's takes into void spool rows moved their messages' sink marks: those
 	 * conversations are read back from the store too, so that the messages are taken
 	 * again. (They used to stay taken, in no spool row: nothing sent them before a
-	 * restart.) */
-	for (size_t i = 0; i < d->nspooled; i++) {
+	 * restart.) At durability none, where memory is kept, the rows are written again
+	 * instead (below). */
+	for (size_t i = 0; i < d->nspooled && !none; i++) {
 		struct spool_entry *e = &d->spooled[i];
 		struct convo *c;
 		if ((!e->seq || e->seq > p.committed) &&
 		    (c = registry_get(&d->reg, e->conv, e->conv_len)))
 			c->daemon_flags |= FLAG_STORE_DIRTY;
 	}
-	revert_to_store(d, p.committed);
+	if (none)
+		keep_for_retry(d, p.committed);
+	else
+		revert_to_store(d, p.committed);
 	/* The transactions after the last one written are void: what their answers wait for
 	 * will never be written. */
 	for (uint64_t n = d->submits_base; n < d->nsubmits && n - d->submits_base < d->submit_cap;
@@ -608,10 +693,16 @@ static void commit_failed(struct dispatch *d, int rc)
 		if (d->submit_seqs[n - d->submits_base] > p.committed)
 			d->submit_seqs[n - d->submits_base] = DISPATCH_SEQ_VOID;
 	for (size_t i = 0; i < d->nspooled; i++) {
-		if (d->spooled[i].seq && d->spooled[i].seq <= p.committed)
-			d->spooled[k++] = d->spooled[i];
-		else
-			free(d->spooled[i].conv);
+		struct spool_entry *e = &d->spooled[i];
+		if (e->seq && e->seq <= p.committed) {
+			d->spooled[k++] = *e;
+		} else if (none) {
+			e->seq = 0;
+			e->put_again = true;
+			d->spooled[k++] = *e;
+		} else {
+			free(e->conv);
+		}
 	}
 	d->nspooled = k;
 	k = 0;
@@ -623,6 +714,10 @@ static void commit_failed(struct dispatch *d, int rc)
 	}
 	d->nclosing = k;
 	d->committed = d->submitted = p.committed;
+	/* Transactions written before the failed one and not yet seen by dispatch_progress
+	 * (which now sees no advance) are finished here. */
+	hand_over_committed(d);
+	sink_kick(d->sink);
 	store_failure_ack(d->store);
 }
 
@@ -684,6 +779,14 @@ enum dispatch_commit_result dispatch_commit(struct dispatch *d, bool force)
 	}
 	if (d->changed || d->store_dirty)
 		ensure_tx(d);
+	for (size_t i = 0; i < d->nspooled && !d->tx_error; i++) {
+		struct spool_entry *e = &d->spooled[i];
+		if (e->put_again && ensure_tx(d) == 0 &&
+		    (rc = store_spool_put(d->store, e->conv, e->conv_len, e->sk, e->version,
+		                          e->map_bytes, e->at_ms)) < 0)
+			d->tx_error = rc;
+		e->put_again = false;
+	}
 	for (c = d->store_dirty; c && !d->tx_error; c = c->daemon_next_store) {
 		struct take_ctx t = {d, c, 0};
 		convo_take(c, CONSUMER_STORE, false, store_take_cb, &t);
@@ -759,7 +862,6 @@ uint64_t dispatch_hold(const struct dispatch *d)
 bool dispatch_progress(struct dispatch *d)
 {
 	struct store_progress p;
-	size_t k = 0;
 
 	if (!d->store)
 		return true;
@@ -774,40 +876,7 @@ bool dispatch_progress(struct dispatch *d)
 	if (d->store_failing)
 		log_msg(LOG_INFO, "store", "commits succeed again");
 	d->store_failing = false;
-	/* Spool rows written now: the sink may send them. */
-	for (size_t i = 0; i < d->nspooled; i++) {
-		struct spool_entry *e = &d->spooled[i];
-		if (!e->seq || e->seq > d->committed) {
-			d->spooled[k++] = *e;
-			continue;
-		}
-		/* Not taken (the sink is closing, or closed): sent by the next start. */
-		if (d->sink && sink_enqueue(d->sink, e->conv, e->conv_len, e->sk, e->version,
-		                            e->at_ms) == -ENOMEM) {
-			log_msg(LOG_ERROR, "sink",
-			        "out of memory queueing a write; it stays in the spool");
-			sink_lost(d->sink);
-		}
-		free(e->conv);
-	}
-	d->nspooled = k;
-	/* Closed conversations whose close is written leave memory, once the sink is done. */
-	k = 0;
-	for (size_t i = 0; i < d->nclosing; i++) {
-		struct closing *e = &d->closing[i];
-		struct convo *c;
-		if (e->seq > d->committed) {
-			d->closing[k++] = *e;
-			continue;
-		}
-		c = registry_get(&d->reg, e->conv, e->conv_len);
-		if (c && (c->daemon_flags & FLAG_CLOSING) && c->daemon_store_seq <= d->committed &&
-		    !(c->daemon_flags & FLAG_STORE_DIRTY) &&
-		    (!d->remote || sink_pending(d->sink, c->id, c->id_len) == 0))
-			drop_conversation(d, c);
-		free(e->conv);
-	}
-	d->nclosing = k;
+	hand_over_committed(d);
 	if (d->sink) {
 		sink_resync(d->sink); /* a commit succeeded: what the sink lost is read again */
 		sink_kick(d->sink);

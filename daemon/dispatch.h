@@ -29,6 +29,10 @@ struct spool_entry {
 	uint32_t version;
 	int64_t at_ms;
 	uint64_t seq; /* its transaction; 0 while the turn's is open */
+	size_t map_bytes; /* the message map's size, as its row records it */
+	/* Its row was in a failed commit at durability none: the next commit writes it again
+	 * (the flush that took it was answered ok). */
+	bool put_again;
 };
 
 /* A conversation closed in transaction seq: it leaves memory once that is written. */
