@@ -13,7 +13,7 @@ import time
 import pytest
 
 import ddb
-from conftest import CONVOD, ROOT, Conn, Daemon, scaled
+from conftest import CONVOD, ROOT, VALGRIND, Conn, Daemon, scaled
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEYsecret"
 TOKEN = "FwoGZXIvYXdzEXAMPLESESSIONTOKENvalue"
@@ -779,7 +779,9 @@ def test_reload_of_a_config_fifo_keeps_serving(daemon_factory, tmpdir_path):
     c.err({"op": next_role(3), "conversation": "fifo", "contents": "one more"}, "too_large")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs the daemon as nobody: needs root")
+@pytest.mark.skipif(os.geteuid() != 0 or VALGRIND,
+                    reason="runs the daemon as nobody: needs root, and the binary itself (under "
+                    "valgrind it is a wrapper in a directory only root reads)")
 def test_memory_only_needs_no_state_dir(tmpdir_path):
     """--memory-only has no store and no lock: a state directory the user cannot create
     does not stop it."""
