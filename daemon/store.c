@@ -1160,6 +1160,7 @@ void store_stats(struct store *s, struct store_stats *o)
 	walvfs_counts(&vc);
 	o->wal_syncs = vc.wal_syncs - s->syncs_at_open.wal_syncs;
 	o->db_syncs = vc.other_syncs - s->syncs_at_open.other_syncs;
+	o->commits_spoiled = vc.spoiled - s->syncs_at_open.spoiled;
 	o->db_bytes = file_bytes(s->path, "");
 	o->wal_bytes = file_bytes(s->path, "-wal");
 }
@@ -2094,8 +2095,10 @@ static bool fold_idle(struct store *s, bool all)
 	pthread_mutex_lock(&s->dbmu);
 	if ((more = fold_wanted(s, all))) {
 		uint64_t t0 = mono_ns();
-		if (s->durability == DURABILITY_MACHINE)
+		if (s->durability == DURABILITY_MACHINE) {
 			sqlite3_exec(s->db, "PRAGMA synchronous=NORMAL", NULL, NULL, NULL);
+			walvfs_commits_unsynced(true);
+		}
 		if (tx_begin(s) == 0) {
 			if (clear_dead(s) < 0 ||
 			    fold_step(s, STORE_FOLD_IDLE_STEP, all, true) < 0) {
@@ -2105,8 +2108,10 @@ static bool fold_idle(struct store *s, bool all)
 				more = false;
 			}
 		}
-		if (s->durability == DURABILITY_MACHINE)
+		if (s->durability == DURABILITY_MACHINE) {
+			walvfs_commits_unsynced(false);
 			sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL);
+		}
 		count_add(&s->n.fold_ns, mono_ns() - t0);
 		more = more && fold_wanted(s, all);
 	}
@@ -2443,10 +2448,11 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		goto fail;
 	}
 	walvfs_counts(&s->syncs_at_open);
+	/* At machine a commit whose sync fails is spoiled in the WAL too (walvfs.h). */
 	rc = sqlite3_open_v2(s->path, &s->db,
 	                     SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX |
 	                         SQLITE_OPEN_EXRESCODE,
-	                     WALVFS_NAME);
+	                     durability == DURABILITY_MACHINE ? WALVFS_SYNCED_NAME : WALVFS_NAME);
 	if (rc != SQLITE_OK) {
 		int e = s->db ? sqlite3_system_errno(s->db) : 0;
 		set_errbuf(errbuf, errlen, "cannot open %s: %s%s%s", s->path,

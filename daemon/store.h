@@ -125,6 +125,8 @@ struct store_stats {
 	uint64_t wal_syncs;      /* syncs of the WAL file that succeeded (at machine one a
 	                          * commit; at process only those of checkpoints) */
 	uint64_t db_syncs;       /* and of the database file (checkpoints') */
+	uint64_t commits_spoiled; /* durability machine: commits whose sync failed, spoiled in
+	                           * the WAL so that a crash cannot bring them back (walvfs.h) */
 	uint64_t cohort_waits;   /* durability machine: times the writer waited after a commit
 	                          * for the requests its answers released (cohort_wait) */
 	uint64_t cohort_short;   /* of them, those that ended at the deadline short of it */

@@ -43,15 +43,24 @@ struct wfile {
 	sqlite3_int64 off;
 	bool want_page; /* a frame header was the last thing gathered */
 	bool commit;    /* and it was a commit frame's */
+	/* Opened through WALVFS_SYNCED_NAME: a failed sync of a commit spoils the commit. */
+	bool spoil;
+	/* The offset of the frame whose page is awaited, and of the last commit frame while
+	 * nothing but its sync followed it; -1 when none. */
+	sqlite3_int64 frame_off, commit_start;
 };
 
 static sqlite3_vfs vfs;
 static sqlite3_vfs *base_vfs;
 static int register_rc;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
-static _Atomic unsigned long long n_writes, n_gathered, n_wal_syncs, n_other_syncs;
+static sqlite3_vfs vfs_synced;
+static _Atomic unsigned long long n_writes, n_gathered, n_wal_syncs, n_other_syncs, n_spoiled;
 
 static const sqlite3_io_methods wal_methods;
+
+/* walvfs_commits_unsynced: the calling thread's commits are not synced now. */
+static _Thread_local bool unsynced;
 
 #define REAL(f) (((struct wfile *)(f))->real)
 #define RM(f) (REAL(f)->pMethods)
@@ -91,18 +100,48 @@ static int f_read(sqlite3_file *f, void *p, int n, sqlite3_int64 off)
 
 static int f_truncate(sqlite3_file *f, sqlite3_int64 size)
 {
-	int rc = gather_flush((struct wfile *)f);
+	struct wfile *w = (struct wfile *)f;
+	int rc = gather_flush(w);
+
+	w->commit_start = -1;
 	return rc != SQLITE_OK ? rc : RM(f)->xTruncate(REAL(f), size);
+}
+
+/* A commit whose sync failed is answered as failed, and SQLite forgets it; but its frames
+ * are in the WAL file, with valid checksums, and a crash before the next commit overwrites
+ * them would bring the commit back at the next open's recovery. Spoiling its commit frame's
+ * salts ends the recovery before it: the transaction's other frames, without their commit
+ * frame, are ignored. The write goes to the page cache, which a crash of the
+ * process keeps; a power cut may keep either, as it may any write whose sync failed. */
+static void spoil_commit(struct wfile *w)
+{
+	unsigned char hdr[WAL_FRAME_HEADER];
+
+	if (RM(w)->xRead(w->real, hdr, (int)sizeof(hdr), w->commit_start) != SQLITE_OK)
+		memset(hdr, 0, sizeof(hdr));
+	/* Bytes 8-15: the salts, which must match the WAL header's. */
+	for (size_t i = 8; i < 16; i++)
+		hdr[i] ^= 0xff;
+	if (RM(w)->xWrite(w->real, hdr, (int)sizeof(hdr), w->commit_start) == SQLITE_OK)
+		atomic_fetch_add_explicit(&n_spoiled, 1, memory_order_relaxed);
 }
 
 /* Counted once the real sync succeeded: what walvfs_counts reports as durable. */
 static int f_sync(sqlite3_file *f, int flags)
 {
-	int rc = gather_flush((struct wfile *)f);
+	struct wfile *w = (struct wfile *)f;
+	int rc = gather_flush(w);
 	if (rc == SQLITE_OK && (rc = RM(f)->xSync(REAL(f), flags)) == SQLITE_OK)
 		atomic_fetch_add_explicit(f->pMethods == &wal_methods ? &n_wal_syncs
 		                                                      : &n_other_syncs,
 		                          1, memory_order_relaxed);
+	if (f->pMethods == &wal_methods) {
+		/* Only right after its commit frame is a sync the commit's own (the
+		 * checkpoint's sync follows other accesses of the file, or none at all). */
+		if (rc != SQLITE_OK && w->spoil && w->commit_start >= 0)
+			spoil_commit(w);
+		w->commit_start = -1;
+	}
 	return rc;
 }
 
@@ -137,7 +176,9 @@ static int f_control(sqlite3_file *f, int op, void *arg)
 	if (op == SQLITE_FCNTL_VFSNAME && rc == SQLITE_OK) {
 		/* As SQLite asks of a shim: its name, then "/" and what is below. */
 		char **name = arg, *below = *name;
-		*name = sqlite3_mprintf("%s/%s", WALVFS_NAME, below ? below : "");
+		*name = sqlite3_mprintf(
+		    "%s/%s", ((struct wfile *)f)->spoil ? WALVFS_SYNCED_NAME : WALVFS_NAME,
+		    below ? below : "");
 		sqlite3_free(below);
 	}
 	return rc;
@@ -244,6 +285,8 @@ static int f_write(sqlite3_file *f, const void *p, int n, sqlite3_int64 off)
 		w->want_page = want_page;
 		w->commit = commit;
 	}
+	/* Anything but the commit's sync: the commit is not the one being synced. */
+	w->commit_start = -1;
 	if (!(header || page)) {
 		if ((rc = gather_flush(w)) != SQLITE_OK)
 			return rc;
@@ -261,13 +304,20 @@ static int f_write(sqlite3_file *f, const void *p, int n, sqlite3_int64 off)
 	}
 	atomic_fetch_add_explicit(&n_gathered, 1, memory_order_relaxed);
 	if (header) {
+		w->frame_off = off;
 		w->want_page = true;
 		/* Bytes 4-7: the database's size in pages after a commit, 0 in other frames. */
 		w->commit = get_be32((const unsigned char *)p + 4) != 0;
 		return SQLITE_OK;
 	}
 	w->want_page = false;
-	return w->commit ? gather_flush(w) : SQLITE_OK;
+	if (!w->commit)
+		return SQLITE_OK;
+	/* Only a commit frame's own write ends its frame's recovery: SQLite rewrites earlier
+	 * frames of a transaction in place, never the commit frame. A commit that is not
+	 * synced stands once written: a sync after it is a checkpoint's. */
+	w->commit_start = unsynced ? -1 : w->frame_off;
+	return gather_flush(w);
 }
 
 /* Every method forwards; WAL files' xWrite gathers. */
@@ -304,8 +354,9 @@ static int v_open(sqlite3_vfs *v, const char *name, sqlite3_file *f, int flags, 
 	struct wfile *w = (struct wfile *)f;
 	int rc;
 
-	(void)v;
 	memset(w, 0, sizeof(*w));
+	w->spoil = v == &vfs_synced;
+	w->frame_off = w->commit_start = -1;
 	w->real = (sqlite3_file *)((char *)f + real_offset());
 	rc = base_vfs->xOpen(base_vfs, name, w->real, flags, out_flags);
 	if (rc != SQLITE_OK || !w->real->pMethods) {
@@ -421,7 +472,12 @@ static void do_register(void)
 	    .xGetLastError = v_error,
 	    .xCurrentTimeInt64 = v_time64,
 	};
-	register_rc = sqlite3_vfs_register(&vfs, 0) == SQLITE_OK ? 0 : -ENOMEM;
+	vfs_synced = vfs;
+	vfs_synced.zName = WALVFS_SYNCED_NAME;
+	register_rc = sqlite3_vfs_register(&vfs, 0) == SQLITE_OK &&
+	                      sqlite3_vfs_register(&vfs_synced, 0) == SQLITE_OK
+	                  ? 0
+	                  : -ENOMEM;
 }
 
 int walvfs_register(void)
@@ -436,4 +492,10 @@ void walvfs_counts(struct walvfs_counts *out)
 	out->gathered = atomic_load_explicit(&n_gathered, memory_order_relaxed);
 	out->wal_syncs = atomic_load_explicit(&n_wal_syncs, memory_order_relaxed);
 	out->other_syncs = atomic_load_explicit(&n_other_syncs, memory_order_relaxed);
+	out->spoiled = atomic_load_explicit(&n_spoiled, memory_order_relaxed);
+}
+
+void walvfs_commits_unsynced(bool on)
+{
+	unsynced = on;
 }

@@ -717,3 +717,39 @@ def test_durability_none_failed_flush_is_sent_later(daemon_factory, small_fs, dy
     # The confirmations are committed by a tick too.
     wait_until(lambda: spool_rows(state) == 0, scaled(5), "an empty spool")
     assert d.stop() == 0, d.log()
+
+
+@pytest.mark.skipif(VALGRIND, reason="a preloaded library: the normal and ASan stages run it")
+def test_failed_sync_at_machine_is_not_brought_back_by_a_crash(daemon_factory, tmp_path):
+    """At durability machine a commit whose WAL sync fails (EIO) is answered unavailable and
+    undone in memory; but SQLite leaves its frames in the WAL file, whole and with valid
+    checksums, and a kill -9 before the next commit brought the change back at the next
+    start's recovery. The commit frame of a commit whose sync failed is spoiled (walvfs), so
+    the refused change stays refused; what was answered ok before it stays, and the next
+    commits go on."""
+    failfile = str(tmp_path / "fail")
+    d = daemon_factory(["--durability", "machine", "--flush-interval", "60000"],
+                       env=slow_syncs(0, failfile))
+    c = d.connect()
+    c.ok({"op": "add_user", "conversation": "x", "contents": "kept"})
+
+    def texts(conn):
+        log = conn.ok({"op": "to_messages_map", "conversation": "x", "incremental": False})
+        return [t for m in log["messages"] for t in m["message"]["contents"]]
+
+    open(failfile, "w").close()
+    try:
+        c.err({"op": "add_assistant", "conversation": "x", "contents": "refused"},
+              "unavailable")
+        assert texts(c) == ["kept"]
+        assert c.ok({"op": "stats"})["store"]["commits_spoiled"] == 1
+        d.stop(signal.SIGKILL)
+    finally:
+        os.unlink(failfile)
+    d.start()
+    c = d.connect()
+    assert texts(c) == ["kept"], d.log()[-800:]
+    c.ok({"op": "add_assistant", "conversation": "x", "contents": "after"})
+    d.stop(signal.SIGKILL)
+    d.start()
+    assert texts(d.connect()) == ["kept", "after"], d.log()[-800:]

@@ -2,7 +2,8 @@
  * there when the commit returns (a copy of the files taken then, as a crash would leave
  * them, holds it); transactions bigger than one write, rolled back after spilling frames,
  * without memory to gather, or failing on the way (the file size limit) leave the same
- * database as the default VFS. */
+ * database as the default VFS; a commit whose sync failed is not in a crash's copy through
+ * WALVFS_SYNCED_NAME. */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -12,6 +13,8 @@
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "test.h"
 #include "walvfs.h"
@@ -50,6 +53,28 @@ char *test_strndup(const char *s, size_t n)
 void test_free(void *p)
 {
 	(free)(p);
+}
+
+/* The syncs of SQLite's unix VFS, failed with EIO while fail_syncs is set, as a failing
+ * disk would (the executable's definitions come before libc's). */
+static bool fail_syncs;
+
+int fsync(int fd)
+{
+	if (fail_syncs) {
+		errno = EIO;
+		return -1;
+	}
+	return (int)syscall(SYS_fsync, fd);
+}
+
+int fdatasync(int fd)
+{
+	if (fail_syncs) {
+		errno = EIO;
+		return -1;
+	}
+	return (int)syscall(SYS_fdatasync, fd);
 }
 
 static void path_of(char *out, size_t n, const char *dir, const char *file)
@@ -377,6 +402,91 @@ static void test_vfs_name(void)
 	sqlite3_close(db2);
 }
 
+/* A commit at synchronous=FULL whose sync fails: SQLite answers it as failed, and a copy of
+ * the files as a crash would leave them does not hold it either through
+ * WALVFS_SYNCED_NAME (the commit frame is spoiled); through WALVFS_NAME, as through SQLite's
+ * own VFS, it does. The next commit goes on from where the failed one began. */
+static void failed_sync(const char *vfs_name, bool spoiled)
+{
+	char dir[32], crash[40];
+	struct walvfs_counts c0, c1;
+	sqlite3 *db, *copy;
+
+	snprintf(dir, sizeof(dir), "fsync-%s", vfs_name);
+	snprintf(crash, sizeof(crash), "%s-crash", dir);
+	if (!(db = open_db(dir, vfs_name))) {
+		CHECK(false);
+		return;
+	}
+	CHECK(sqlite3_exec(db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) == SQLITE_OK);
+	CHECK(put_rows(db, 0, 3, 100, false) == SQLITE_OK);
+	walvfs_counts(&c0);
+	fail_syncs = true;
+	CHECK((put_rows(db, 100, 5, 300, false) & 0xff) == SQLITE_IOERR);
+	fail_syncs = false;
+	walvfs_counts(&c1);
+	CHECK(c1.spoiled - c0.spoiled == (spoiled ? 1 : 0));
+	CHECK(query_int(db, "SELECT count(*) FROM t") == 3);
+	CHECK((copy = crash_copy(dir, crash)) != NULL);
+	if (copy) {
+		printf("%s: after a failed sync, a crash leaves %lld rows of 3 + 5\n", vfs_name,
+		       (long long)query_int(copy, "SELECT count(*) FROM t"));
+		CHECK(query_int(copy, "SELECT count(*) FROM t") == (spoiled ? 3 : 8));
+		sqlite3_close(copy);
+	}
+	if (spoiled) {
+		/* The next commit overwrites the spoiled frame; both it and what came before
+		 * it are in a crash's copy. */
+		CHECK(put_rows(db, 200, 2, 100, false) == SQLITE_OK);
+		CHECK((copy = crash_copy(dir, crash)) != NULL);
+		if (copy) {
+			CHECK(query_int(copy, "SELECT count(*) FROM t") == 5);
+			CHECK(rows_hold(copy, 0, 3, 100) && rows_hold(copy, 200, 2, 100));
+			CHECK(query_int(copy, "SELECT count(*) FROM pragma_integrity_check"
+			                      " WHERE integrity_check = 'ok'") == 1);
+			sqlite3_close(copy);
+		}
+	}
+	CHECK(sqlite3_close(db) == SQLITE_OK);
+}
+
+static void test_failed_sync_spoils_the_commit(void)
+{
+	failed_sync(WALVFS_SYNCED_NAME, true);
+	failed_sync(WALVFS_NAME, false);
+}
+
+/* A commit made at synchronous=NORMAL (the store's fold, at durability machine) stands once
+ * written: a checkpoint's sync that fails right after it spoils nothing. */
+static void test_failed_checkpoint_sync_spoils_nothing(void)
+{
+	struct walvfs_counts c0, c1;
+	sqlite3 *db = open_db("ckpt", WALVFS_SYNCED_NAME), *copy;
+
+	if (!db) {
+		CHECK(false);
+		return;
+	}
+	CHECK(put_rows(db, 0, 3, 100, false) == SQLITE_OK);
+	walvfs_counts(&c0);
+	walvfs_commits_unsynced(true);
+	CHECK(put_rows(db, 100, 5, 300, false) == SQLITE_OK);
+	fail_syncs = true;
+	CHECK(sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL) !=
+	      SQLITE_OK);
+	fail_syncs = false;
+	walvfs_commits_unsynced(false);
+	walvfs_counts(&c1);
+	CHECK(c1.spoiled == c0.spoiled);
+	CHECK((copy = crash_copy("ckpt", "ckpt-crash")) != NULL);
+	if (copy) {
+		CHECK(query_int(copy, "SELECT count(*) FROM t") == 8);
+		CHECK(rows_hold(copy, 100, 5, 300));
+		sqlite3_close(copy);
+	}
+	CHECK(sqlite3_close(db) == SQLITE_OK);
+}
+
 static void remove_tree(void)
 {
 	char cmd[256];
@@ -397,6 +507,7 @@ int main(void)
 	CHECK(walvfs_register() == 0);
 	CHECK(walvfs_register() == 0); /* once is enough, twice harmless */
 	CHECK(sqlite3_vfs_find(WALVFS_NAME) != NULL);
+	CHECK(sqlite3_vfs_find(WALVFS_SYNCED_NAME) != NULL);
 	CHECK(sqlite3_vfs_find(NULL) != sqlite3_vfs_find(WALVFS_NAME));
 	test_one_write_a_commit();
 	test_syncs_counted();
@@ -404,6 +515,8 @@ int main(void)
 	test_no_memory();
 	test_write_fails();
 	test_vfs_name();
+	test_failed_sync_spoils_the_commit();
+	test_failed_checkpoint_sync_spoils_nothing();
 	remove_tree();
 	return test_done("walvfs");
 }
