@@ -1685,7 +1685,7 @@ json_t *sink_stats_sink(struct sink *s)
 	}
 	last_error = remote && s->last_error[0] ? json_string(s->last_error) : json_null();
 	return json_pack(
-	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:I}", "kind",
+	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:I}", "kind",
 	    remote ? "dynamodb" : "local", "writes_sent", (json_int_t)(remote ? s->writes_sent : 0),
 	    "confirmed", (json_int_t)(remote ? s->confirmed : 0), "retried",
 	    (json_int_t)(remote ? s->retried : 0), "failures",
@@ -1693,8 +1693,9 @@ json_t *sink_stats_sink(struct sink *s)
 	    (json_int_t)(remote ? s->dead_lettered : 0), "unprocessed",
 	    (json_int_t)(remote ? s->unprocessed : 0), "resent",
 	    (json_int_t)(remote ? s->resynced : 0), "repaired",
-	    (json_int_t)(remote ? s->repaired : 0), "last_error", last_error, "latency_ms", lat,
-	    "inflight", (json_int_t)(remote ? s->batches_inflight : 0));
+	    (json_int_t)(remote ? s->repaired : 0), "repairs_waiting",
+	    (json_int_t)(remote ? s->nrepairs + s->repairs_inflight : 0), "last_error", last_error,
+	    "latency_ms", lat, "inflight", (json_int_t)(remote ? s->batches_inflight : 0));
 }
 
 /* --- Query and CreateTable jobs ------------------------------------------------------------ */

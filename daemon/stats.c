@@ -70,10 +70,10 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_mono_ms)
 	     put_int(sink, "confirmed", 0) && put_int(sink, "retried", 0) &&
 	     put_int(sink, "dead_lettered", 0) && put_int(sink, "failures", 0) &&
 	     put_int(sink, "unprocessed", 0) && put_int(sink, "resent", 0) &&
-	     put_int(sink, "repaired", 0) && put_int(sink, "inflight", 0) &&
-	     put(sink, "last_error", json_null()) && put(lat, "p50", json_null()) &&
-	     put(lat, "p99", json_null()) && put(lat, "p999", json_null()) &&
-	     put(sink, "latency_ms", json_incref(lat)) &&
+	     put_int(sink, "repaired", 0) && put_int(sink, "repairs_waiting", 0) &&
+	     put_int(sink, "inflight", 0) && put(sink, "last_error", json_null()) &&
+	     put(lat, "p50", json_null()) && put(lat, "p99", json_null()) &&
+	     put(lat, "p999", json_null()) && put(sink, "latency_ms", json_incref(lat)) &&
 	     put(res, "version", json_string(CONVOD_VERSION)) &&
 	     put_int(res, "uptime_ms", now_mono_ms - s->started_mono_ms) &&
 	     put(res, "connections", json_incref(conns)) &&

@@ -491,6 +491,10 @@ def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_tab
                                     2 * timeout)
     u1 = c.ok({"op": "to_messages_map", "conversation": conv,
                "incremental": False})["messages"][0]["id"]
+    # Both messages of the unanswered call wait to be looked at again (stats says so).
+    waiting = stats(c)["sink"]["repairs_waiting"]
+    if time.monotonic() - t0 < 3 * timeout / 1000.0:
+        assert waiting == 2, waiting
 
     def contents():
         item = ddb.get_item(dynalite, ddb_table, conv, a1)
@@ -508,9 +512,10 @@ def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_tab
     wait_until(lambda: stats(c)["sink"]["repaired"] == 1, 5, "the repair counted")
     assert ddb.get_item(dynalite, ddb_table, conv, u1)["version"] == {"N": "1"}
     print("at %.2f s:" % at, late, "repaired after %.2f s" % (time.monotonic() - t0))
-    # Nothing more is repaired later.
+    # Nothing more is repaired later, and nothing waits.
     time.sleep(4 * timeout / 1000.0)
     assert stats(c)["sink"]["repaired"] == 1
+    assert stats(c)["sink"]["repairs_waiting"] == 0
 
 
 def stage_late_write(faultproxy, daemon_factory, table, conv, timeout, slow_ms):
