@@ -12,6 +12,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "crc32.h"
 #include "sigv4.h"
 
 #ifndef CONVOD_VERSION
@@ -34,6 +35,8 @@ struct request {
 	char *resp; /* the answer, always NUL-terminated when non-NULL */
 	size_t resp_len, resp_cap;
 	bool resp_too_large;
+	bool has_crc32; /* the answer carried x-amz-crc32 (a number) */
+	uint32_t crc32; /* and its value */
 	char request_id[DDBCLIENT_REQUEST_ID_MAX + 1];
 	char errbuf[CURL_ERROR_SIZE];
 	char operation[DDBCLIENT_OPERATION_MAX + 1];
@@ -246,15 +249,42 @@ static size_t on_write(char *data, size_t size, size_t nmemb, void *userp)
 	return n;
 }
 
+/* x-amz-crc32: DynamoDB's CRC-32 of the answer's body, in decimal. Anything else (no
+ * digits, more than 32 bits) is no checksum: the answer is taken unchecked, as before. */
+static void take_crc32(struct request *r, const char *v, size_t len)
+{
+	uint64_t x = 0;
+	size_t i = 0;
+
+	while (i < len && (v[i] == ' ' || v[i] == '\t'))
+		i++;
+	if (i == len)
+		return;
+	for (; i < len && v[i] >= '0' && v[i] <= '9'; i++)
+		if ((x = x * 10 + (uint64_t)(v[i] - '0')) > UINT32_MAX)
+			return;
+	for (; i < len; i++)
+		if (v[i] != ' ' && v[i] != '\t' && v[i] != '\r' && v[i] != '\n')
+			return;
+	r->crc32 = (uint32_t)x;
+	r->has_crc32 = true;
+}
+
 static size_t on_header(char *data, size_t size, size_t nitems, void *userp)
 {
-	static const char name[] = "x-amzn-requestid:";
+	static const char name[] = "x-amzn-requestid:", crc[] = "x-amz-crc32:";
 	struct request *r = userp;
 	size_t n = size * nitems, len;
 	const char *v;
 
 	if (n >= 5 && memcmp(data, "HTTP/", 5) == 0) {
-		r->request_id[0] = '\0'; /* a new response (after a 100 Continue, say) */
+		/* A new response (after a 100 Continue, say). */
+		r->request_id[0] = '\0';
+		r->has_crc32 = false;
+		return n;
+	}
+	if (n > sizeof(crc) - 1 && strncasecmp(data, crc, sizeof(crc) - 1) == 0) {
+		take_crc32(r, data + sizeof(crc) - 1, n - (sizeof(crc) - 1));
 		return n;
 	}
 	if (n < sizeof(name) - 1 || strncasecmp(data, name, sizeof(name) - 1) != 0)
@@ -392,6 +422,15 @@ static void request_finish(struct ddbclient *c, struct request *r, CURLcode code
 		res.uploaded = (uint64_t)up;
 	/* The whole body left: the server may have acted on it, answer or not. */
 	res.sent = !canceled && (res.status != 0 || res.uploaded >= r->body_len);
+	if (res.status != 0 && r->has_crc32 &&
+	    crc32_update(0, r->resp ? r->resp : "", r->resp_len) != r->crc32) {
+		/* Damaged on the way (a middlebox, a bad link): what it says cannot be trusted,
+		 * so it is as if no answer came (the request left whole), and the caller tries
+		 * again as it would after a broken connection. The AWS SDKs do the same. */
+		res.status = 0;
+		res.damaged = true;
+		res.error = "answer damaged on the way: its body does not match x-amz-crc32";
+	}
 	if (curl_easy_getinfo(r->easy, CURLINFO_NUM_CONNECTS, &conns) == CURLE_OK)
 		res.new_connections = conns;
 	res.body = r->resp && r->resp_len ? r->resp : "";
@@ -731,6 +770,7 @@ int ddbclient_call(struct ddbclient *c, const char *operation, const void *body,
 	if (r->resp)
 		r->resp[0] = '\0';
 	r->resp_too_large = false;
+	r->has_crc32 = false;
 	r->request_id[0] = '\0';
 	r->errbuf[0] = '\0';
 	r->cb = cb;

@@ -39,6 +39,8 @@ struct ddbclient_result {
 	bool timed_out;        /* the transport failed on a connect or request timeout */
 	bool canceled;         /* ddbclient_close ended the request; status is 0 */
 	bool sent;             /* the whole request left (the server may have acted on it) */
+	bool damaged;          /* an answer came whose body did not match its x-amz-crc32:
+	                        * status is 0, as if none had come */
 	uint64_t uploaded;     /* bytes of the body that left */
 	const char *body;      /* the answer, NUL-terminated ("" when none) */
 	size_t body_len;

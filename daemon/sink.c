@@ -914,6 +914,15 @@ static void repair_failed(struct sink *s, struct repair *r, uint64_t now, bool p
 	repair_end(s, r);
 }
 
+/* An answer damaged on the way is taken as none (ddbclient), and retried as such; that
+ * something between here and DynamoDB alters answers is worth a warning each time. */
+static void warn_if_damaged(const struct ddbclient_result *res)
+{
+	if (res->damaged)
+		log_msg(LOG_WARN, SUBSYS, "%s: %s (request id %s); trying again", res->operation,
+		        res->error, res->request_id[0] ? res->request_id : "none");
+}
+
 static void on_repair_done(const struct ddbclient_result *res, void *arg)
 {
 	struct repair *r = arg;
@@ -922,6 +931,7 @@ static void on_repair_done(const struct ddbclient_result *res, void *arg)
 	enum outcome out;
 
 	s->repairs_inflight--;
+	warn_if_damaged(res);
 	if (res->canceled || s->finishing) {
 		ht_remove(&s->repairs, &r->h);
 		free(r); /* its row stays: the next start looks again */
@@ -1219,6 +1229,7 @@ static void on_batch_done(const struct ddbclient_result *res, void *arg)
 	struct sink *s = b->s;
 
 	s->batches_inflight--;
+	warn_if_damaged(res);
 	if (res->canceled || s->finishing) {
 		batch_free(b); /* the entries stay in the spool for the next start */
 		return;
@@ -1791,6 +1802,7 @@ static void on_job_done(const struct ddbclient_result *res, void *arg)
 	int rc;
 
 	j->inflight = false;
+	warn_if_damaged(res);
 	if (res->canceled || s->finishing) {
 		job_end(j, -ECANCELED);
 		return;

@@ -12,9 +12,12 @@ applies faults that the test schedules at run time:
     p.counts["throttle"], p.counts["forwarded"], p.log
 
 Fault kinds (FAULTS): throttle, 500, 503, unprocessed, slow, hang, refuse, drop, garbage,
-credentials, expired_token, validation, not_found. garbage forwards the request, then answers 200
-with an HTML page instead of DynamoDB's JSON (a captive portal or a broken middlebox): the
-write happened, its answer cannot be read. The queue is looked at first (first entry whose
+damaged, credentials, expired_token, validation, not_found. garbage forwards the request, then
+answers 200 with an HTML page instead of DynamoDB's JSON (a captive portal or a broken
+middlebox): the write happened, its answer cannot be read. damaged forwards the request and
+answers the upstream's answer with bytes of its body replaced (push's sub: every occurrence of
+sub[0] becomes sub[1]) but the x-amz-crc32 of the body as the upstream sent it (a bad link or
+middlebox that alters an answer and leaves it well-formed). The queue is looked at first (first entry whose
 op matches), then the probabilities. Clients may keep connections alive; the proxy keeps
 one upstream connection per client connection.
 """
@@ -54,7 +57,7 @@ ERRORS = {
     "not_found": (400, DDB + "ResourceNotFoundException",
                   "Requested resource not found (injected)"),
 }
-FAULTS = tuple(ERRORS) + ("unprocessed", "slow", "hang", "refuse", "drop", "garbage")
+FAULTS = tuple(ERRORS) + ("unprocessed", "slow", "hang", "refuse", "drop", "garbage", "damaged")
 GARBAGE = b"<html><head><title>Sign in</title></head><body>Wi-Fi login</body></html>\n"
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
@@ -63,12 +66,12 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authenticat
 
 
 class _Rule:
-    __slots__ = ("fault", "n", "op", "ms", "p")
+    __slots__ = ("fault", "n", "op", "ms", "p", "sub")
 
-    def __init__(self, fault, n, op, ms, p):
+    def __init__(self, fault, n, op, ms, p, sub=None):
         if fault not in FAULTS:
             raise ValueError("unknown fault %r (known: %s)" % (fault, ", ".join(FAULTS)))
-        self.fault, self.n, self.op, self.ms, self.p = fault, n, op, ms, p
+        self.fault, self.n, self.op, self.ms, self.p, self.sub = fault, n, op, ms, p, sub
 
     def matches(self, op):
         if self.fault == "unprocessed" and op != "BatchWriteItem":
@@ -196,9 +199,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif fault == "garbage":
             self._forward(body, send=False)
             self._answer(200, GARBAGE, [("Content-Type", "text/html")])
+        elif fault == "damaged":
+            r = self._forward(body, send=False)
+            if r is not None:
+                old, new = rule.sub or (b"e", b"E")
+                self._answer(r[0], r[2].replace(old, new), r[1], crc32=zlib.crc32(r[2]))
 
-    def _answer(self, status, body, headers=None):
-        """Sends an answer the way DynamoDB does (JSON, request id, CRC32 of the body)."""
+    def _answer(self, status, body, headers=None, crc32=None):
+        """Sends an answer the way DynamoDB does (JSON, request id, CRC32 of the body, or
+        crc32 when given)."""
         self.send_response(status)
         sent = set()
         for name, value in headers or []:
@@ -210,7 +219,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/x-amz-json-1.0")
         if "x-amzn-requestid" not in sent:
             self.send_header("x-amzn-RequestId", uuid.uuid4().hex.upper())
-        self.send_header("x-amz-crc32", str(zlib.crc32(body)))
+        self.send_header("x-amz-crc32", str(zlib.crc32(body) if crc32 is None else crc32))
         self.send_header("Content-Length", str(len(body)))
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -379,11 +388,12 @@ class FaultProxy:
 
     # --- schedule ---
 
-    def push(self, fault, n=1, op=None, ms=None):
+    def push(self, fault, n=1, op=None, ms=None, sub=None):
         """Queues fault for the next n requests of operation op (all when None).
-        ms: the delay of "slow" (default 1000)."""
+        ms: the delay of "slow" (default 1000); sub: the (old, new) bytes of "damaged"
+        (default (b"e", b"E"))."""
         with self._lock:
-            self._queue.append(_Rule(fault, n, op, ms, None))
+            self._queue.append(_Rule(fault, n, op, ms, None, sub))
         return self
 
     def set_probability(self, fault, p, op=None, ms=None):

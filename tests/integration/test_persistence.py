@@ -1707,6 +1707,30 @@ def test_restore_unavailable_while_dynamodb_down(faultproxy, dynalite, ddb_table
     assert full_log(cb, "elsewhere") == maps
 
 
+def test_damaged_answer_is_not_believed(faultproxy, dynalite, ddb_table, daemon_factory):
+    """An answer altered on the way but still well-formed (a bad link or middlebox): the
+    Query that restores a conversation comes back with "hello" turned into "jello" in a
+    message's text, and the x-amz-crc32 of the true body. The daemon checks the checksum, as
+    the AWS SDKs do: the answer is not believed (logged, the Query asked again), and the
+    conversation is restored as DynamoDB holds it. Before the check it was restored with the
+    altered text, for good (it is then flushed back over the true one)."""
+    a = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    ca = a.connect()
+    ca.ok({"op": "add_user", "conversation": "far", "contents": "hello there"})
+    ca.ok({"op": "add_assistant", "conversation": "far", "contents": "hi"})
+    ca.ok({"op": "flush"})
+    maps = full_log(ca, "far")
+    wait_table_matches(dynalite, ddb_table, "far", maps, [1, 1])
+
+    b = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+    cb = b.connect(timeout=60)
+    faultproxy.push("damaged", n=1, op="Query", sub=(b"hello", b"jello"))
+    assert full_log(cb, "far") == maps
+    assert faultproxy.counts.get("damaged") == 1
+    assert "does not match x-amz-crc32" in b.log(), b.log()
+    assert [op for op, _ in faultproxy.log].count("Query") >= 2, faultproxy.log
+
+
 def _break_item(item, how):
     item = json.loads(json.dumps(item))
     if how == "message_not_a_map":
