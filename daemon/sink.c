@@ -990,9 +990,12 @@ static int repair_send(struct sink *s, struct repair *r, const json_t *map, uint
 }
 
 /* The repairs due by now, with at most max_batches_inflight PutItems in flight. A message
- * that has an entry waiting goes out through it (its write is due after the late one); one
  * whose entry is in flight is looked at again a timeout later (that write may have left
- * before the late one landed). */
+ * before the late one landed). So is one whose entry waits: its write, due after the late
+ * one, makes the repair needless only once it is confirmed; it may yet be refused for good
+ * (a dead letter), and then the late write would stay over the newer version DynamoDB held
+ * before it. Once the entry is gone, the repair writes what the store holds, on its
+ * condition (refused, harmlessly, when the entry's write went through). */
 static void repairs_run(struct sink *s, uint64_t now)
 {
 	struct repair *r;
@@ -1018,12 +1021,8 @@ static void repairs_run(struct sink *s, uint64_t now)
 		}
 		if ((c = conv_find(s, r->conv, r->conv_len, hash)))
 			e = entry_find(s, c, r->sk);
-		if (e && e->state == ENTRY_INFLIGHT) {
-			repair_queue(s, r, now + (uint64_t)s->cfg.request_timeout_ms);
-			continue;
-		}
 		if (e) {
-			repair_finish(s, r, now);
+			repair_queue(s, r, now + (uint64_t)s->cfg.request_timeout_ms);
 			continue;
 		}
 		rc = store_message_get(s->store, r->conv, r->conv_len, r->sk, &map, &version,

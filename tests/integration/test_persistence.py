@@ -677,6 +677,49 @@ def test_repair_never_overwrites_a_newer_version(faultproxy, dynalite, ddb_table
     assert stats(ca)["sink"]["repaired"] == 0
 
 
+def test_repair_due_while_its_entry_waits_then_dead_lettered(faultproxy, dynalite, ddb_table,
+                                                            daemon_factory):
+    """Never older over newer, when the message's next write is refused for good: the late
+    write of version 1 lands over the confirmed version 2; when its repair comes due, the
+    message's version 3 waits (throttled) to go out, and is then dead-lettered. The repair
+    must not have been left to that write: version 1 must not stay in DynamoDB."""
+    timeout = int(400 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
+    conv = "repair-dead-letter"
+    d, c, a1, t0 = stage_late_write(faultproxy, daemon_factory, ddb_table, conv, timeout,
+                                    2 * timeout)
+
+    def contents():
+        item = ddb.get_item(dynalite, ddb_table, conv, a1)
+        return (int(item["version"]["N"]), [x["S"] for x in item["message"]["M"]["contents"]["L"]])
+
+    # Version 3 is throttled, again and again, until after the repair came due.
+    faultproxy.push("throttle", n=100000, op="BatchWriteItem")
+    r = c.ok({"op": "add_assistant", "conversation": conv, "contents": "v3 text"})
+    assert r["merged"] and r["message"]["id"] == a1
+    c.ok({"op": "flush", "conversation": conv})
+    wait_until(lambda: faultproxy.counts.get("slow") == 1 and
+               time.monotonic() - t0 > 2 * timeout / 1000.0 + 0.3, 10, "the late write")
+    if time.monotonic() - t0 > 4 * timeout / 1000.0:
+        pytest.skip("too slow here: the repair came due before the late write was seen")
+    assert contents() == (1, ["v1 text"]), "the late write did not land"
+    # (The call ended a timeout after t0, and the repair is due three timeouts later.)
+    due = t0 + 4 * timeout / 1000.0
+
+    def throttled_after(at):
+        return any(t > at and op == "BatchWriteItem" and f == "throttle"
+                   for t, op, f in faultproxy.timed_log)
+    wait_until(lambda: throttled_after(due + 3 * timeout / 1000.0), scaled(10),
+               "version 3 still waiting after the repair came due")
+    # Now version 3 is refused for good.
+    faultproxy.clear()
+    faultproxy.push("validation", n=1, op="BatchWriteItem")
+    wait_until(lambda: stats(c)["sink"]["dead_lettered"] == 1, scaled(10), "the dead letter")
+    # DynamoDB held version 2: it must end with it or newer, not with the late version 1.
+    wait_until(lambda: contents()[0] >= 2, scaled(5) + 3 * timeout / 1000.0,
+               "a version newer than the late write")
+    assert contents() == (3, ["v1 text", "v2 text", "v3 text"]), contents()
+
+
 def test_batch_over_the_request_timeout_is_split(faultproxy, dynalite, ddb_table,
                                                  daemon_factory):
     """A BatchWriteItem over --request-timeout-ms (a link too slow for a big batch) is not
