@@ -1086,13 +1086,13 @@ int sink_load_repairs(struct sink *s)
 	return 0;
 }
 
-/* A call failed in a way worth retrying: every entry waits its backoff, and the gate
- * holds further calls back for a while. unknown: it may have been applied all the same
- * (repair_add). */
+/* A call failed in a way worth retrying, or could not be made: every entry waits its
+ * backoff, and the gate holds further calls back for a while. unknown: it may have been
+ * applied all the same (repair_add). Not counted in failures here: only calls that were
+ * made are (batch_answer). */
 static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64_t now,
                         bool unknown)
 {
-	s->failures++;
 	set_last_error(s, "%s", why);
 	if (s->fail_streak < 64)
 		s->fail_streak++;
@@ -1111,11 +1111,10 @@ static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64
 		entry_retry(s, b->e[i], now);
 }
 
-/* Refused for good: a batch of several is split to find the culprit(s); a single item is
- * a dead letter. */
+/* Refused for good (by DynamoDB, or by the client before sending: too big): a batch of
+ * several is split to find the culprit(s); a single item is a dead letter. */
 static void batch_permanent(struct sink *s, struct batch *b, const char *why)
 {
-	s->failures++;
 	set_last_error(s, "%s", why);
 	if (b->n == 1) {
 		entry_dead_letter(s, b->e[0], b->version[0], b->item[0], why);
@@ -1149,8 +1148,14 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 	bool back[DDBITEM_BATCH_MAX] = {false};
 	size_t nback = 0, i, j;
 	char why[LAST_ERROR_MAX];
+	enum outcome out = classify(res, why, sizeof(why));
 
-	switch (classify(res, why, sizeof(why))) {
+	/* sink.failures counts calls made that failed (proto/protocol.md): a transport
+	 * failure, a timeout, an error answer, an answer that cannot be used. Not a call
+	 * refused before it was sent (batch_send), nor one canceled by a stop. */
+	if (out != OUT_OK)
+		s->failures++;
+	switch (out) {
 	case OUT_OK:
 		break;
 	case OUT_CREDENTIALS:
@@ -1180,6 +1185,7 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 	    ERR_OK) {
 		snprintf(why, sizeof(why), "BatchWriteItem: unreadable answer: %.200s",
 		         err.message);
+		s->failures++;
 		batch_retry(s, b, why, now, false); /* answered: nothing can land later */
 		return;
 	}
@@ -1199,6 +1205,7 @@ static void batch_answer(struct sink *s, struct batch *b, const struct ddbclient
 		if (!matched) {
 			/* Not one of ours: which item was left out is unknown, so all are. */
 			json_decref(unprocessed);
+			s->failures++;
 			batch_retry(s, b, "BatchWriteItem: UnprocessedItems names an item not sent",
 			            now, false);
 			return;

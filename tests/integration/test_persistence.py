@@ -910,6 +910,33 @@ def test_random_faults_newest_version(faultproxy, dynalite, ddb_table, daemon_fa
     assert st["sink"]["retried"] >= 1 and st["sink"]["dead_lettered"] == 0, st["sink"]
 
 
+def test_failures_count_only_calls_made(faultproxy, dynalite, ddb_table, tmp_path,
+                                       daemon_factory):
+    """sink.failures counts failed BatchWriteItem calls (proto/protocol.md): a write the
+    client refuses to send (no AWS credentials yet) is no call, and no failure; the reason
+    shows in last_error. Once credentials appear in the shared file, the write goes out."""
+    creds = tmp_path / "credentials"
+    env = dict(ddb_env(faultproxy.url), AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="",
+               AWS_SHARED_CREDENTIALS_FILE=str(creds))
+    d = daemon_factory(["--dynamodb-table", ddb_table] + FAST, env=env)
+    c = d.connect()
+    assert "no AWS credentials found" in d.log()
+    c.ok({"op": "add_user", "conversation": "no-keys", "contents": "waits"})
+    c.ok({"op": "flush", "conversation": "no-keys"})
+    # Tried (and not sent) at least twice.
+    wait_until(lambda: "no AWS credentials (2 failed" in d.log(), scaled(10),
+               "two attempts without credentials")
+    st = stats(c)["sink"]
+    assert "no AWS credentials" in (st["last_error"] or ""), st
+    assert faultproxy.count("op:BatchWriteItem") == 0, faultproxy.log
+    assert st["writes_sent"] == 0 and st["failures"] == 0, st
+    creds.write_text("[default]\naws_access_key_id = %s\naws_secret_access_key = %s\n"
+                     % (KEY_ID, SECRET))
+    st = wait_drained(c)["sink"]
+    assert st["confirmed"] == 1 and st["failures"] == 0, st
+    assert len(ddb.query_all(dynalite, ddb_table, "no-keys")) == 1
+
+
 def test_backoff_is_capped_exponential_with_full_jitter(faultproxy, dynalite, ddb_table,
                                                         daemon_factory):
     """persistence.md: failed writes wait "with capped exponential backoff and full jitter".
