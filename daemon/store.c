@@ -440,6 +440,7 @@ struct store {
 	size_t cursor;       /* cur's next entry to fold */
 	size_t txn_cursor;   /* cursor when the open transaction began */
 	bool txn_fold_started, txn_fold_ended; /* what the transaction's fold step did */
+	bool sync_lost; /* machine: synchronous=FULL not set back after a fold (tx_begin) */
 	size_t txn_segments, txn_folded;       /* and how much it wrote */
 	/* The two tables of batches: whose batches each holds, and how many (the open
 	 * transaction's included); at the start of that transaction, txn_bt. */
@@ -728,9 +729,13 @@ static int open_checks(struct store *s, enum durability durability, char *errbuf
 		           s->path, text);
 		return -EIO;
 	}
+	/* checkpoint_fullfsync: the syncs of checkpoints come with SQLITE_SYNC_FULL, which
+	 * costs nothing on Linux (no F_FULLFSYNC), so that walvfs tells a commit's own sync
+	 * from them (WALVFS_SYNCED_NAME). */
 	rc = sqlite3_exec(db,
-	                  durability == DURABILITY_MACHINE ? "PRAGMA synchronous=FULL"
-	                                                   : "PRAGMA synchronous=NORMAL",
+	                  durability == DURABILITY_MACHINE
+	                      ? "PRAGMA synchronous=FULL; PRAGMA checkpoint_fullfsync=ON"
+	                      : "PRAGMA synchronous=NORMAL",
 	                  NULL, NULL, NULL);
 	if (rc != SQLITE_OK)
 		goto not_ours;
@@ -1544,7 +1549,16 @@ static int batch_table(struct store *s)
  * when the writer is not running). The fold step inside it is finished or undone with it. */
 static int tx_begin(struct store *s)
 {
-	int rc = run(s, s->st[ST_BEGIN]);
+	int rc;
+
+	/* At machine, synchronous=FULL could not be set back after a fold (fold_idle): no
+	 * commit goes unsynced. */
+	if (s->sync_lost) {
+		if (sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) != SQLITE_OK)
+			return -EIO;
+		s->sync_lost = false;
+	}
+	rc = run(s, s->st[ST_BEGIN]);
 	if (rc < 0)
 		return rc;
 	s->txn_cursor = s->cursor;
@@ -2095,10 +2109,8 @@ static bool fold_idle(struct store *s, bool all)
 	pthread_mutex_lock(&s->dbmu);
 	if ((more = fold_wanted(s, all))) {
 		uint64_t t0 = mono_ns();
-		if (s->durability == DURABILITY_MACHINE) {
+		if (s->durability == DURABILITY_MACHINE)
 			sqlite3_exec(s->db, "PRAGMA synchronous=NORMAL", NULL, NULL, NULL);
-			walvfs_commits_unsynced(true);
-		}
 		if (tx_begin(s) == 0) {
 			if (clear_dead(s) < 0 ||
 			    fold_step(s, STORE_FOLD_IDLE_STEP, all, true) < 0) {
@@ -2108,10 +2120,9 @@ static bool fold_idle(struct store *s, bool all)
 				more = false;
 			}
 		}
-		if (s->durability == DURABILITY_MACHINE) {
-			walvfs_commits_unsynced(false);
-			sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL);
-		}
+		if (s->durability == DURABILITY_MACHINE &&
+		    sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) != SQLITE_OK)
+			s->sync_lost = true; /* the next transaction sets it, or fails */
 		count_add(&s->n.fold_ns, mono_ns() - t0);
 		more = more && fold_wanted(s, all);
 	}

@@ -59,9 +59,6 @@ static _Atomic unsigned long long n_writes, n_gathered, n_wal_syncs, n_other_syn
 
 static const sqlite3_io_methods wal_methods;
 
-/* walvfs_commits_unsynced: the calling thread's commits are not synced now. */
-static _Thread_local bool unsynced;
-
 #define REAL(f) (((struct wfile *)(f))->real)
 #define RM(f) (REAL(f)->pMethods)
 
@@ -136,9 +133,12 @@ static int f_sync(sqlite3_file *f, int flags)
 		                                                      : &n_other_syncs,
 		                          1, memory_order_relaxed);
 	if (f->pMethods == &wal_methods) {
-		/* Only right after its commit frame is a sync the commit's own (the
-		 * checkpoint's sync follows other accesses of the file, or none at all). */
-		if (rc != SQLITE_OK && w->spoil && w->commit_start >= 0)
+		/* A commit's own sync comes right after its commit frame (and the rewrite of
+		 * its frames' checksums), with SQLITE_SYNC_NORMAL: with checkpoint_fullfsync,
+		 * the syncs of checkpoints and of the WAL's header come with SQLITE_SYNC_FULL,
+		 * and may follow a commit that stands (one at synchronous=NORMAL). */
+		if (rc != SQLITE_OK && w->spoil && w->commit_start >= 0 &&
+		    (flags & 0x0f) == SQLITE_SYNC_NORMAL)
 			spoil_commit(w);
 		w->commit_start = -1;
 	}
@@ -285,8 +285,12 @@ static int f_write(sqlite3_file *f, const void *p, int n, sqlite3_int64 off)
 		w->want_page = want_page;
 		w->commit = commit;
 	}
-	/* Anything but the commit's sync: the commit is not the one being synced. */
-	w->commit_start = -1;
+	/* A write past the commit frame, or of another size, begins something else: the
+	 * commit is not the one a sync may come for. A frame header at or before it is
+	 * SQLite rewriting the transaction's checksums (walRewriteChecksums, after a page
+	 * written twice in it), which comes after the commit frame and before its sync. */
+	if (n != WAL_FRAME_HEADER || off > w->commit_start)
+		w->commit_start = -1;
 	if (!(header || page)) {
 		if ((rc = gather_flush(w)) != SQLITE_OK)
 			return rc;
@@ -313,11 +317,11 @@ static int f_write(sqlite3_file *f, const void *p, int n, sqlite3_int64 off)
 	w->want_page = false;
 	if (!w->commit)
 		return SQLITE_OK;
-	/* Only a commit frame's own write ends its frame's recovery: SQLite rewrites earlier
-	 * frames of a transaction in place, never the commit frame. A commit that is not
-	 * synced stands once written: a sync after it is a checkpoint's. */
-	w->commit_start = unsynced ? -1 : w->frame_off;
-	return gather_flush(w);
+	/* The commit frame, on the file: its sync may come next. (With sector padding, which
+	 * the unix VFS does only with psow=0, padding frames follow, and nothing is spoiled.) */
+	if ((rc = gather_flush(w)) == SQLITE_OK)
+		w->commit_start = w->frame_off;
+	return rc;
 }
 
 /* Every method forwards; WAL files' xWrite gathers. */
@@ -493,9 +497,4 @@ void walvfs_counts(struct walvfs_counts *out)
 	out->wal_syncs = atomic_load_explicit(&n_wal_syncs, memory_order_relaxed);
 	out->other_syncs = atomic_load_explicit(&n_other_syncs, memory_order_relaxed);
 	out->spoiled = atomic_load_explicit(&n_spoiled, memory_order_relaxed);
-}
-
-void walvfs_commits_unsynced(bool on)
-{
-	unsynced = on;
 }

@@ -418,7 +418,8 @@ static void failed_sync(const char *vfs_name, bool spoiled)
 		CHECK(false);
 		return;
 	}
-	CHECK(sqlite3_exec(db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) == SQLITE_OK);
+	CHECK(sqlite3_exec(db, "PRAGMA synchronous=FULL; PRAGMA checkpoint_fullfsync=ON", NULL,
+	                   NULL, NULL) == SQLITE_OK);
 	CHECK(put_rows(db, 0, 3, 100, false) == SQLITE_OK);
 	walvfs_counts(&c0);
 	fail_syncs = true;
@@ -457,7 +458,8 @@ static void test_failed_sync_spoils_the_commit(void)
 }
 
 /* A commit made at synchronous=NORMAL (the store's fold, at durability machine) stands once
- * written: a checkpoint's sync that fails right after it spoils nothing. */
+ * written: a checkpoint's sync that fails right after it spoils nothing (with
+ * checkpoint_fullfsync, as the store runs, it is told from a commit's). */
 static void test_failed_checkpoint_sync_spoils_nothing(void)
 {
 	struct walvfs_counts c0, c1;
@@ -467,21 +469,60 @@ static void test_failed_checkpoint_sync_spoils_nothing(void)
 		CHECK(false);
 		return;
 	}
+	CHECK(sqlite3_exec(db, "PRAGMA checkpoint_fullfsync=ON", NULL, NULL, NULL) == SQLITE_OK);
 	CHECK(put_rows(db, 0, 3, 100, false) == SQLITE_OK);
 	walvfs_counts(&c0);
-	walvfs_commits_unsynced(true);
 	CHECK(put_rows(db, 100, 5, 300, false) == SQLITE_OK);
 	fail_syncs = true;
 	CHECK(sqlite3_wal_checkpoint_v2(db, NULL, SQLITE_CHECKPOINT_PASSIVE, NULL, NULL) !=
 	      SQLITE_OK);
 	fail_syncs = false;
-	walvfs_commits_unsynced(false);
 	walvfs_counts(&c1);
 	CHECK(c1.spoiled == c0.spoiled);
 	CHECK((copy = crash_copy("ckpt", "ckpt-crash")) != NULL);
 	if (copy) {
 		CHECK(query_int(copy, "SELECT count(*) FROM t") == 8);
 		CHECK(rows_hold(copy, 100, 5, 300));
+		sqlite3_close(copy);
+	}
+	CHECK(sqlite3_close(db) == SQLITE_OK);
+}
+
+/* A transaction that spills pages to the WAL and then changes one of them again: SQLite
+ * rewrites that frame in place and, after the commit frame, the checksums of the frames
+ * from there on (walRewriteChecksums). Its sync failing still spoils the commit. */
+static void test_failed_sync_after_checksum_rewrite(void)
+{
+	struct walvfs_counts c0, c1;
+	sqlite3 *db = open_db("recksum", WALVFS_SYNCED_NAME), *copy;
+
+	if (!db) {
+		CHECK(false);
+		return;
+	}
+	CHECK(sqlite3_exec(db,
+	                   "PRAGMA synchronous=FULL; PRAGMA checkpoint_fullfsync=ON;"
+	                   " PRAGMA cache_size=4",
+	                   NULL, NULL, NULL) == SQLITE_OK);
+	CHECK(put_rows(db, 0, 3, 100, false) == SQLITE_OK);
+	walvfs_counts(&c0);
+	fail_syncs = true;
+	CHECK(sqlite3_exec(db, "BEGIN", NULL, NULL, NULL) == SQLITE_OK);
+	CHECK(sqlite3_exec(db,
+	                   "WITH RECURSIVE n(k) AS (SELECT 100 UNION ALL SELECT k + 1 FROM n"
+	                   " WHERE k < 399) INSERT INTO t(k, v) SELECT k, randomblob(300) FROM n;"
+	                   " UPDATE t SET v = randomblob(100) WHERE k IN (0, 100, 101);",
+	                   NULL, NULL, NULL) == SQLITE_OK);
+	CHECK((sqlite3_exec(db, "COMMIT", NULL, NULL, NULL) & 0xff) == SQLITE_IOERR);
+	if (!sqlite3_get_autocommit(db))
+		sqlite3_exec(db, "ROLLBACK", NULL, NULL, NULL);
+	fail_syncs = false;
+	walvfs_counts(&c1);
+	CHECK(c1.spoiled - c0.spoiled == 1);
+	CHECK((copy = crash_copy("recksum", "recksum-crash")) != NULL);
+	if (copy) {
+		CHECK(query_int(copy, "SELECT count(*) FROM t") == 3);
+		CHECK(rows_hold(copy, 0, 3, 100));
 		sqlite3_close(copy);
 	}
 	CHECK(sqlite3_close(db) == SQLITE_OK);
@@ -517,6 +558,7 @@ int main(void)
 	test_vfs_name();
 	test_failed_sync_spoils_the_commit();
 	test_failed_checkpoint_sync_spoils_nothing();
+	test_failed_sync_after_checksum_rewrite();
 	remove_tree();
 	return test_done("walvfs");
 }
