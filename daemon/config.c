@@ -106,6 +106,9 @@ static const struct setting settings[] = {
      "DynamoDB connection timeout", NULL},
     {"request-timeout-ms", NULL, T_U64, F(request_timeout_ms), 0, 1, 600000, false, 0, "MS",
      "DynamoDB request timeout, connection included", NULL},
+    {"ignore-crc32", NULL, T_BOOL, F(ignore_crc32), 0, 0, 0, false, 0, NULL,
+     "take DynamoDB answers that do not match their x-amz-crc32 (a proxy that rewrites them)",
+     NULL},
 };
 
 #undef F
@@ -1282,6 +1285,6 @@ void config_usage(const char *prog)
 	printf("  %-36s%s\n", "--version", "the version");
 	printf(
 	    "A reload (SIGHUP) rereads the file and applies the flags again; socket, state-dir,\n"
-	    "durability, memory-only, dynamodb-table, create-table, connect-timeout-ms and\n"
-	    "request-timeout-ms need a restart. Options are not abbreviated.\n");
+	    "durability, memory-only, dynamodb-table, create-table, connect-timeout-ms,\n"
+	    "request-timeout-ms and ignore-crc32 need a restart. Options are not abbreviated.\n");
 }

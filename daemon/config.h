@@ -54,6 +54,7 @@ struct config {
 	uint64_t connect_timeout_ms;    /* DynamoDB: connect (restart to change) */
 	uint64_t request_timeout_ms;    /* DynamoDB: a whole request (restart to change) */
 	bool create_table;
+	bool ignore_crc32; /* DynamoDB: take answers that do not match x-amz-crc32 */
 
 	/* Bookkeeping: per setting (in the order of config_setting_key), where its value came
 	 * from and the file line (0 when not from the file); the file's path; the strings

@@ -63,6 +63,7 @@ struct ddbclient {
 	char *key_id, *secret, *token; /* token NULL without a session token */
 	long connect_timeout_ms, timeout_ms;
 	size_t max_inflight, max_request_bytes, max_response_bytes, pool_max;
+	bool ignore_crc32;
 	struct request *inflight;
 	size_t ninflight;
 	struct request *idle;
@@ -250,19 +251,19 @@ static size_t on_write(char *data, size_t size, size_t nmemb, void *userp)
 }
 
 /* x-amz-crc32: DynamoDB's CRC-32 of the answer's body, in decimal. Anything else (no
- * digits, more than 32 bits) is no checksum: the answer is taken unchecked, as before. */
+ * digits, more than 32 bits) is no checksum: the answer is taken unchecked. */
 static void take_crc32(struct request *r, const char *v, size_t len)
 {
 	uint64_t x = 0;
-	size_t i = 0;
+	size_t i = 0, digits;
 
 	while (i < len && (v[i] == ' ' || v[i] == '\t'))
 		i++;
-	if (i == len)
-		return;
-	for (; i < len && v[i] >= '0' && v[i] <= '9'; i++)
+	for (digits = i; i < len && v[i] >= '0' && v[i] <= '9'; i++)
 		if ((x = x * 10 + (uint64_t)(v[i] - '0')) > UINT32_MAX)
 			return;
+	if (i == digits)
+		return; /* empty, or the first line of a folded header: no checksum */
 	for (; i < len; i++)
 		if (v[i] != ' ' && v[i] != '\t' && v[i] != '\r' && v[i] != '\n')
 			return;
@@ -422,7 +423,7 @@ static void request_finish(struct ddbclient *c, struct request *r, CURLcode code
 		res.uploaded = (uint64_t)up;
 	/* The whole body left: the server may have acted on it, answer or not. */
 	res.sent = !canceled && (res.status != 0 || res.uploaded >= r->body_len);
-	if (res.status != 0 && r->has_crc32 &&
+	if (res.status != 0 && r->has_crc32 && !c->ignore_crc32 &&
 	    crc32_update(0, r->resp ? r->resp : "", r->resp_len) != r->crc32) {
 		/* Damaged on the way (a middlebox, a bad link): what it says cannot be trusted,
 		 * so it is as if no answer came (the request left whole), and the caller tries
@@ -575,6 +576,7 @@ int ddbclient_new(uv_loop_t *loop, const struct ddbclient_options *o, struct ddb
 	c->max_inflight = o->max_inflight;
 	c->max_request_bytes = o->max_request_bytes;
 	c->max_response_bytes = o->max_response_bytes;
+	c->ignore_crc32 = o->ignore_crc32;
 	c->pool_max =
 	    (size_t)o->max_host_connections > POOL_MIN ? (size_t)o->max_host_connections : POOL_MIN;
 	c->url = strdup(o->endpoint_url);

@@ -28,6 +28,7 @@ struct ddbclient_options {
 	size_t max_inflight;       /* ddbclient_call refuses more with -EBUSY (256) */
 	size_t max_request_bytes; /* ddbclient_call refuses a bigger body with -EMSGSIZE (16 MiB) */
 	size_t max_response_bytes; /* a bigger answer fails the request (16 MiB) */
+	bool ignore_crc32;         /* take answers whose body does not match x-amz-crc32 */
 };
 
 /* What a request came to, passed to its callback. Every pointer is borrowed and valid only

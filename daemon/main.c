@@ -210,6 +210,7 @@ static void sink_config_from(const struct config *cfg, struct sink_config *sc)
 	sc->expires_days = cfg->expires_days;
 	sc->connect_timeout_ms = (long)cfg->connect_timeout_ms;
 	sc->request_timeout_ms = (long)cfg->request_timeout_ms;
+	sc->ignore_crc32 = cfg->ignore_crc32;
 }
 
 /* Whether a reload may read the config file: not a FIFO or a socket, whose read would hold

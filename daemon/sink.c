@@ -2059,6 +2059,7 @@ int sink_new(uv_loop_t *loop, struct store *store, const struct sink_config *cfg
 		o.region = awsconf_signing_region(aws);
 		o.connect_timeout_ms = cfg->connect_timeout_ms;
 		o.timeout_ms = cfg->request_timeout_ms;
+		o.ignore_crc32 = cfg->ignore_crc32;
 		o.max_host_connections = (long)cfg->max_batches_inflight + 2;
 		if ((rc = ddbclient_new(loop, &o, &s->client)) < 0) {
 			log_msg(LOG_ERROR, SUBSYS, "cannot start the DynamoDB client: %s",

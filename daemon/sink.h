@@ -42,6 +42,7 @@ struct sink_config {
 	uint32_t expires_days;       /* 0 = no expires attribute; else Unix s of the write + days */
 	long connect_timeout_ms;     /* (3000) */
 	long request_timeout_ms;     /* (10000) */
+	bool ignore_crc32;           /* take answers that do not match x-amz-crc32 (false) */
 };
 void sink_config_defaults(struct sink_config *cfg);
 

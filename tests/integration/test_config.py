@@ -26,7 +26,7 @@ ALL_KEYS = ["socket", "state-dir", "max-line-bytes", "max-output-bytes", "max-co
             "durability", "memory-only", "dynamodb-table", "create-table", "flush-interval",
             "idle-ms", "batch-items", "retry-base-ms", "retry-max-ms", "spool-max-items",
             "expires-days", "closed-retention-days", "drain-ms", "connect-timeout-ms",
-            "request-timeout-ms"]
+            "request-timeout-ms", "ignore-crc32"]
 
 
 def no_sanitizer_report(text):

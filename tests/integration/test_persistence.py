@@ -1801,6 +1801,25 @@ def test_damaged_answer_is_not_believed(faultproxy, dynalite, ddb_table, daemon_
     assert [op for op, _ in faultproxy.log].count("Query") >= 2, faultproxy.log
 
 
+def test_ignore_crc32_takes_a_damaged_answer(faultproxy, dynalite, ddb_table, daemon_factory):
+    """--ignore-crc32 (for a proxy or emulator that rewrites answers) takes an answer whose
+    body does not match its x-amz-crc32: the altered Query answer is what is restored, and
+    nothing is asked again."""
+    a = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    ca = a.connect()
+    ca.ok({"op": "add_user", "conversation": "far", "contents": "hello there"})
+    ca.ok({"op": "flush"})
+    wait_table_matches(dynalite, ddb_table, "far", full_log(ca, "far"), [1])
+
+    b = ddb_daemon(daemon_factory, faultproxy.url, ddb_table, extra=["--ignore-crc32"])
+    cb = b.connect(timeout=60)
+    faultproxy.push("damaged", n=1, op="Query", sub=(b"hello", b"jello"))
+    assert [m["message"]["contents"] for m in full_log(cb, "far")] == [["jello there"]]
+    assert faultproxy.counts.get("damaged") == 1
+    assert [op for op, _ in faultproxy.log].count("Query") == 1, faultproxy.log
+    assert "x-amz-crc32" not in b.log(), b.log()
+
+
 def _break_item(item, how):
     item = json.loads(json.dumps(item))
     if how == "message_not_a_map":
