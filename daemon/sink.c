@@ -173,6 +173,7 @@ struct sink {
 	struct repair *repair_head, *repair_tail;
 	size_t nrepairs, repairs_inflight;
 	uint64_t repaired, repairs_dropped;
+	uint64_t answers_damaged; /* answers whose body did not match x-amz-crc32 */
 	char last_error[LAST_ERROR_MAX];
 	uint32_t lat[LATENCY_SAMPLES];
 	size_t nlat, lat_pos;
@@ -876,12 +877,12 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 		const struct entry *e = b->e[i];
 		struct repair *r;
 		if (s->repairs.n >= REPAIR_MAX) {
-			if (s->repairs_dropped++ == 0)
-				log_msg(
-				    LOG_WARN, SUBSYS,
-				    "more than %d writes without a clear answer wait to be looked "
-				    "at again; later ones are not",
-				    REPAIR_MAX);
+			uint64_t n = ++s->repairs_dropped;
+			if ((n & (n - 1)) == 0) /* the 1st, 2nd, 4th, ... */
+				log_msg(LOG_WARN, SUBSYS,
+				        "%d writes without a clear answer wait to be looked at "
+				        "again; later ones are not (%" PRIu64 " let go so far)",
+				        REPAIR_MAX, n);
 			continue;
 		}
 		r = repair_new(s, e->conv->id, e->conv->len, e->sk, b->version[i], now + delay);
@@ -914,13 +915,21 @@ static void repair_failed(struct sink *s, struct repair *r, uint64_t now, bool p
 	repair_end(s, r);
 }
 
-/* An answer damaged on the way is taken as none (ddbclient), and retried as such; that
- * something between here and DynamoDB alters answers is worth a warning each time. */
-static void warn_if_damaged(const struct ddbclient_result *res)
+/* An answer damaged on the way is taken as none (ddbclient), and retried as such. That
+ * something between here and DynamoDB alters answers is worth a warning, but one that
+ * alters every answer must not flood the log: the 1st, 2nd, 4th, 8th, ... are logged, with
+ * the count so far (stats: sink.answers_damaged). */
+static void warn_if_damaged(struct sink *s, const struct ddbclient_result *res)
 {
-	if (res->damaged)
-		log_msg(LOG_WARN, SUBSYS, "%s: %s (request id %s); trying again", res->operation,
-		        res->error, res->request_id[0] ? res->request_id : "none");
+	if (!res->damaged)
+		return;
+	s->answers_damaged++;
+	if ((s->answers_damaged & (s->answers_damaged - 1)) == 0)
+		log_msg(LOG_WARN, SUBSYS,
+		        "%s: %s (request id %s; %" PRIu64 " such answer%s so far); "
+		        "trying again",
+		        res->operation, res->error, res->request_id[0] ? res->request_id : "none",
+		        s->answers_damaged, s->answers_damaged == 1 ? "" : "s");
 }
 
 static void on_repair_done(const struct ddbclient_result *res, void *arg)
@@ -931,7 +940,7 @@ static void on_repair_done(const struct ddbclient_result *res, void *arg)
 	enum outcome out;
 
 	s->repairs_inflight--;
-	warn_if_damaged(res);
+	warn_if_damaged(s, res);
 	if (res->canceled || s->finishing) {
 		ht_remove(&s->repairs, &r->h);
 		free(r); /* its row stays: the next start looks again */
@@ -1099,7 +1108,7 @@ static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64
 	s->gate_ms = now + backoff_ms(s, s->fail_streak);
 	if ((s->fail_streak & (s->fail_streak - 1)) == 0) /* 1, 2, 4, 8, ... in a row */
 		log_msg(LOG_WARN, SUBSYS,
-		        "%s (%u failed call%s in a row); %zu item%s wait%s to be "
+		        "%s (%u failed attempt%s in a row); %zu item%s wait%s to be "
 		        "sent again",
 		        why, s->fail_streak, s->fail_streak == 1 ? "" : "s", b->n,
 		        b->n == 1 ? "" : "s", b->n == 1 ? "s" : "");
@@ -1235,7 +1244,7 @@ static void on_batch_done(const struct ddbclient_result *res, void *arg)
 	struct sink *s = b->s;
 
 	s->batches_inflight--;
-	warn_if_damaged(res);
+	warn_if_damaged(s, res);
 	if (res->canceled || s->finishing) {
 		batch_free(b); /* the entries stay in the spool for the next start */
 		return;
@@ -1702,7 +1711,7 @@ json_t *sink_stats_sink(struct sink *s)
 	}
 	last_error = remote && s->last_error[0] ? json_string(s->last_error) : json_null();
 	return json_pack(
-	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:I}", "kind",
+	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o, s:I}", "kind",
 	    remote ? "dynamodb" : "local", "writes_sent", (json_int_t)(remote ? s->writes_sent : 0),
 	    "confirmed", (json_int_t)(remote ? s->confirmed : 0), "retried",
 	    (json_int_t)(remote ? s->retried : 0), "failures",
@@ -1711,8 +1720,10 @@ json_t *sink_stats_sink(struct sink *s)
 	    (json_int_t)(remote ? s->unprocessed : 0), "resent",
 	    (json_int_t)(remote ? s->resynced : 0), "repaired",
 	    (json_int_t)(remote ? s->repaired : 0), "repairs_waiting",
-	    (json_int_t)(remote ? s->nrepairs + s->repairs_inflight : 0), "last_error", last_error,
-	    "latency_ms", lat, "inflight", (json_int_t)(remote ? s->batches_inflight : 0));
+	    (json_int_t)(remote ? s->nrepairs + s->repairs_inflight : 0), "repairs_dropped",
+	    (json_int_t)(remote ? s->repairs_dropped : 0), "answers_damaged",
+	    (json_int_t)(remote ? s->answers_damaged : 0), "last_error", last_error, "latency_ms",
+	    lat, "inflight", (json_int_t)(remote ? s->batches_inflight : 0));
 }
 
 /* --- Query and CreateTable jobs ------------------------------------------------------------ */
@@ -1808,7 +1819,7 @@ static void on_job_done(const struct ddbclient_result *res, void *arg)
 	int rc;
 
 	j->inflight = false;
-	warn_if_damaged(res);
+	warn_if_damaged(s, res);
 	if (res->canceled || s->finishing) {
 		job_end(j, -ECANCELED);
 		return;

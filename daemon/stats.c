@@ -71,6 +71,7 @@ json_t *stats_to_json(const struct stats *s, uint64_t now_mono_ms)
 	     put_int(sink, "dead_lettered", 0) && put_int(sink, "failures", 0) &&
 	     put_int(sink, "unprocessed", 0) && put_int(sink, "resent", 0) &&
 	     put_int(sink, "repaired", 0) && put_int(sink, "repairs_waiting", 0) &&
+	     put_int(sink, "repairs_dropped", 0) && put_int(sink, "answers_damaged", 0) &&
 	     put_int(sink, "inflight", 0) && put(sink, "last_error", json_null()) &&
 	     put(lat, "p50", json_null()) && put(lat, "p99", json_null()) &&
 	     put(lat, "p999", json_null()) && put(sink, "latency_ms", json_incref(lat)) &&
@@ -134,6 +135,8 @@ static bool prom_is_counter(const char *name)
 	    "convod_sink_unprocessed",
 	    "convod_sink_resent",
 	    "convod_sink_repaired",
+	    "convod_sink_repairs_dropped",
+	    "convod_sink_answers_damaged",
 	    "convod_store_commits",
 	    "convod_store_turns",
 	    "convod_store_inline_commits",

@@ -544,7 +544,7 @@ def stage_late_write(faultproxy, daemon_factory, table, conv, timeout, slow_ms):
 def test_repair_refused_for_good_is_not_retried(faultproxy, dynalite, ddb_table,
                                                  daemon_factory):
     """A repair's PutItem refused for good (a ValidationException) is given up at once, and
-    said so; it was sent five times."""
+    said so and counted in sink.repairs_dropped; it was sent once."""
     timeout = 400
     faultproxy.push("validation", n=10, op="PutItem")
     d, c, _, _ = stage_late_write(faultproxy, daemon_factory, ddb_table, "repair-refused",
@@ -554,6 +554,8 @@ def test_repair_refused_for_good_is_not_retried(faultproxy, dynalite, ddb_table,
     time.sleep(0.5)
     assert sum(1 for op, _ in faultproxy.log if op == "PutItem") == 1, faultproxy.log
     assert "ValidationException" in d.log() and stats(c)["sink"]["repaired"] == 0
+    sink = stats(c)["sink"]
+    assert (sink["repairs_dropped"], sink["repairs_waiting"]) == (1, 0), sink
 
 
 @pytest.mark.parametrize("how", ["stop", "kill -9"])
@@ -1799,6 +1801,32 @@ def test_damaged_answer_is_not_believed(faultproxy, dynalite, ddb_table, daemon_
     assert faultproxy.counts.get("damaged") == 1
     assert "does not match x-amz-crc32" in b.log(), b.log()
     assert [op for op, _ in faultproxy.log].count("Query") >= 2, faultproxy.log
+    assert stats(cb)["sink"]["answers_damaged"] == 1
+
+
+def test_damaged_answers_are_counted_and_their_warnings_thinned(faultproxy, dynalite,
+                                                                 ddb_table, daemon_factory):
+    """Something that alters every answer must not flood the log: four damaged Query answers
+    in a row are all counted in sink.answers_damaged, and logged the 1st, 2nd and 4th time
+    (with the count so far); the fifth Query, undamaged, restores the conversation."""
+    a = ddb_daemon(daemon_factory, dynalite, ddb_table)
+    ca = a.connect()
+    ca.ok({"op": "add_user", "conversation": "far", "contents": "hello there"})
+    ca.ok({"op": "flush"})
+    maps = full_log(ca, "far")
+    wait_table_matches(dynalite, ddb_table, "far", maps, [1])
+
+    b = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
+    cb = b.connect(timeout=120)
+    faultproxy.push("damaged", n=4, op="Query", sub=(b"hello", b"jello"))
+    assert full_log(cb, "far") == maps
+    assert faultproxy.counts.get("damaged") == 4
+    assert [op for op, _ in faultproxy.log].count("Query") == 5, faultproxy.log
+    assert stats(cb)["sink"]["answers_damaged"] == 4
+    warnings = [line for line in b.log().splitlines() if "does not match x-amz-crc32" in line]
+    assert len(warnings) == 3, warnings
+    assert ["1 such answer so far" in warnings[0], "2 such answers so far" in warnings[1],
+            "4 such answers so far" in warnings[2]] == [True] * 3, warnings
 
 
 def test_ignore_crc32_takes_a_damaged_answer(faultproxy, dynalite, ddb_table, daemon_factory):
@@ -1818,6 +1846,7 @@ def test_ignore_crc32_takes_a_damaged_answer(faultproxy, dynalite, ddb_table, da
     assert faultproxy.counts.get("damaged") == 1
     assert [op for op, _ in faultproxy.log].count("Query") == 1, faultproxy.log
     assert "x-amz-crc32" not in b.log(), b.log()
+    assert stats(cb)["sink"]["answers_damaged"] == 0
 
 
 def _break_item(item, how):
