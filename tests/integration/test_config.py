@@ -836,3 +836,35 @@ def test_reload_keeps_the_endpoint_and_says_so(daemon_factory, tmpdir_path, dyna
     assert log.count("that needs a restart") == 1, log
     assert re.search(r"AWS credentials reread: dynamodb: endpoint %s" % re.escape(dynalite),
                      log), log
+
+
+def test_reload_with_a_bad_file_still_rereads_the_credentials(daemon_factory, tmpdir_path,
+                                                              dynalite, ddb_table):
+    """A SIGHUP whose config file does not parse changes no setting, but the AWS keys, which
+    live in their own file, are reread all the same (README, convod.8): a rotated key does
+    not wait for a fix of convod's file. Writes go on with the new key."""
+    from test_persistence import ddb_env, wait_drained
+    conf = os.path.join(tmpdir_path, "convod.conf")
+    creds = os.path.join(tmpdir_path, "credentials")
+    write(conf, "max-messages = 10\n")
+    write(creds, "[default]\naws_access_key_id = AKIAOLDKEY00000A1111\n"
+                 "aws_secret_access_key = old-secret\n")
+    env = dict(ddb_env(dynalite), AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="",
+               AWS_SHARED_CREDENTIALS_FILE=creds)
+    d = daemon_factory(["--config", conf, "--dynamodb-table", ddb_table,
+                        "--flush-interval", "50"], env=env)
+    c = d.connect()
+    write(conf, "max-messages = banana\n")
+    write(creds, "[default]\naws_access_key_id = AKIANEWKEY00000A2222\n"
+                 "aws_secret_access_key = new-secret\n")
+    d.signal(signal.SIGHUP)
+    log = wait_log(d, r"AWS credentials reread")
+    after = log.split("SIGHUP: reloading")[1]
+    assert "keeping the running settings" in after, after
+    assert "access key ****2222" in after, after
+    # The running settings are kept: still 10 messages allowed, not the default.
+    fill(c, "rotated", 10)
+    c.err({"op": next_role(10), "conversation": "rotated", "contents": "x"}, "too_large")
+    c.ok({"op": "flush", "conversation": "rotated"})
+    st = wait_drained(c)
+    assert st["sink"]["confirmed"] >= 10 and st["sink"]["failures"] == 0, st["sink"]
