@@ -90,6 +90,17 @@ void ht_remove(struct htable *t, struct hnode *h)
 		ht_resize(t, (t->mask + 1) / 2);
 }
 
+void ht_each(const struct htable *t, void (*fn)(struct hnode *h, void *arg), void *arg)
+{
+	for (size_t i = 0; i <= t->mask; i++)
+		for (struct hnode *h = t->b[i]; h; h = h->next)
+			fn(h, arg);
+	/* Old buckets below moved are empty: their nodes are in b. */
+	for (size_t i = t->moved; t->old && i <= t->old_mask; i++)
+		for (struct hnode *h = t->old[i]; h; h = h->next)
+			fn(h, arg);
+}
+
 void ht_free(struct htable *t, void (*fn)(struct hnode *h))
 {
 	struct hnode **tables[2] = {t->b, t->old};

@@ -34,6 +34,8 @@ struct hnode *ht_first(const struct htable *t, uint64_t hash);
 void ht_insert(struct htable *t, struct hnode *h);
 /* h must be in t. */
 void ht_remove(struct htable *t, struct hnode *h);
+/* Calls fn(h, arg) on every node, in no particular order; fn must not insert or remove. */
+void ht_each(const struct htable *t, void (*fn)(struct hnode *h, void *arg), void *arg);
 /* Calls fn on every node (which may free it), then frees the buckets. */
 void ht_free(struct htable *t, void (*fn)(struct hnode *h));
 

@@ -192,6 +192,9 @@ struct sink {
 	/* lost_rows: a recording was lost (not only rows put back, sink_reread); the read
 	 * under way counts what it finds in resynced (resync_counts) */
 	bool lost_rows, resync_counts;
+	/* A commit failed since the repairs' rows were last written: rows it held are gone, so
+	 * every repair's row is written again once commits succeed (sink_resync). */
+	bool repairs_lost;
 	uv_idle_t scan_idle;
 	int64_t resync_seq;
 	uint64_t resync_at, resync_ms, resync_ns, resync_slice_end;
@@ -1449,7 +1452,33 @@ void sink_kick(struct sink *s)
 void sink_lost(struct sink *s)
 {
 	if (s && s->table)
-		s->lost = s->lost_rows = true;
+		s->lost = s->lost_rows = s->repairs_lost = true;
+}
+
+static void repair_rewrite(struct hnode *h, void *arg)
+{
+	struct repair *r = (struct repair *)h;
+	uint64_t now = *(const uint64_t *)arg;
+
+	repair_record(r->s, r, false, r->due_ms > now ? r->due_ms - now : 0);
+}
+
+/* The repairs' rows a failed commit held are lost: each repair waiting or in flight writes
+ * its row again (an upsert; due as it is now, at once for one in flight), so that a crash
+ * before it is done does not forget it. One whose "done" was lost keeps its row: the next
+ * start looks at it once more, harmlessly (its PutItem is conditional). */
+static void repairs_rewrite(struct sink *s)
+{
+	uint64_t now = uv_now(s->loop);
+
+	s->repairs_lost = false;
+	if (s->repairs.n == 0)
+		return;
+	log_msg(LOG_INFO, SUBSYS,
+	        "writing the rows of %zu message%s to look at again anew "
+	        "after a failed commit",
+	        s->repairs.n, s->repairs.n == 1 ? "" : "s");
+	ht_each(&s->repairs, repair_rewrite, &now);
 }
 
 /* Whether a scan of the spool that last ran at loop time at and took took_ms may run again
@@ -1575,6 +1604,8 @@ int sink_resync(struct sink *s)
 {
 	if (!s || !s->table || s->closing)
 		return 0;
+	if (s->repairs_lost)
+		repairs_rewrite(s);
 	if (s->resyncing)
 		return 1; /* under way: the slices go on from the idle handle */
 	if (!s->lost)

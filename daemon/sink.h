@@ -79,8 +79,9 @@ void sink_kick(struct sink *s);
 
 /* Spool rows the sink may no longer hold: what it recorded in a commit that failed (a
  * confirmation, a dead letter: the spool row stays), or a row the caller could not enqueue.
- * The sink also notes its own failed recordings. sink_resync then reads the spool again.
- * Accepts NULL. */
+ * The sink also notes its own failed recordings. sink_resync then reads the spool again,
+ * and writes the rows of the writes it waits to look at again (repair_add in sink.c) anew,
+ * since the failed commit may have held some. Accepts NULL. */
 void sink_lost(struct sink *s);
 /* Call when the store can be written (after a commit that succeeded, or while no commit
  * fails): if the sink lost rows, reads the spool again and enqueues every row (idempotent:

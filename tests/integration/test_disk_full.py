@@ -388,6 +388,55 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
     assert d.stop() == 0, d.log()
 
 
+def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, faultproxy,
+                                                      ddb_table):
+    """A write left without an answer while the disk is full: the commit that records its
+    messages to look at again (the repairs rows) fails. Once commits succeed again the rows
+    are written anew, so that a crash before the look does not forget it: after kill -9 the
+    next start finds both. (They used to be kept in memory only, gone with a crash.)"""
+    timeout = int(3000 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--dynamodb-table", ddb_table,
+                        "--flush-interval", "600000", "--request-timeout-ms", str(timeout),
+                        "--retry-base-ms", "20", "--retry-max-ms", "300"],
+                       env=ddb_env(faultproxy.url))
+    c = d.connect()
+    conv = "repairs-lost"
+    c.ok({"op": "add_user", "conversation": "slack", "contents": "known"})  # no Query later
+    faultproxy.push("hang", n=1, op="BatchWriteItem")
+    c.ok({"op": "add_user", "conversation": conv, "contents": "hello"})
+    c.ok({"op": "add_assistant", "conversation": conv, "contents": "hi"})
+    t0 = time.monotonic()
+    c.ok({"op": "flush", "conversation": conv})
+    wait_until(lambda: faultproxy.count("hang") == 1, 5, "the unanswered call")
+    reader, filler = fill_for_commits(c, state, small_fs)
+    # The call times out while commits fail: its two messages wait to be looked at again,
+    # in memory; the commit that was to write their rows failed.
+    wait_until(lambda: c.ok({"op": "stats"})["sink"]["repairs_waiting"] == 2,
+               5 + timeout / 1000.0, "the call's timeout")
+    c.err({"op": "add_user", "conversation": "slack", "contents": "still full"}, "unavailable")
+    count = "SELECT count(*) FROM repairs"
+    assert store_rows(state, count) == [(0,)]
+    reader.execute("COMMIT")
+    reader.close()
+    os.unlink(filler)
+    c.ok({"op": "add_user", "conversation": "after", "contents": "space again"})
+    wait_until(lambda: store_rows(state, count) == [(2,)], 5, "the repairs rows written anew")
+    assert "writing the rows of 2 messages to look at again anew" in d.log(), d.log()
+    for conn in d.conns:
+        conn.close()
+    d.conns = []
+    os.kill(d.proc.pid, signal.SIGKILL)
+    d.proc.wait()
+    d.stderr.close()
+    if time.monotonic() - t0 > 3 * timeout / 1000.0:
+        pytest.skip("too slow here: the repairs came due before the crash")
+    d.start()
+    d.connect().ok({"op": "ping"})
+    assert "2 messages to look at again after a write without an answer before the last " \
+        "stop" in d.log(), d.log()
+
+
 def test_disk_full_during_a_retry_move(daemon_factory, fs_16m, faultproxy, dynalite,
                                        ddb_table):
     """retry_dead_letters moves the dead letters back in parts, a transaction each; the

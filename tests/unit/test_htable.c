@@ -1,6 +1,7 @@
 /* Unit tests for daemon/htable: every node is found while the table grows and shrinks in
  * steps, no insert or remove moves more than HT_MOVE_STEP old buckets (but the one that
- * finishes a resize to start the next), and ht_free visits each node once, mid-resize too. */
+ * finishes a resize to start the next), and ht_each and ht_free visit each node once,
+ * mid-resize too. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -13,6 +14,7 @@
 struct item {
 	struct hnode h;
 	bool in;
+	unsigned seen; /* times ht_each visited it */
 };
 
 static struct item items[N];
@@ -41,6 +43,13 @@ static size_t reachable(const struct htable *t)
 }
 
 static size_t visited;
+
+static void each(struct hnode *h, void *arg)
+{
+	(void)arg;
+	((struct item *)h)->seen++;
+	visited++;
+}
 
 static void visit(struct hnode *h)
 {
@@ -136,6 +145,13 @@ int main(void)
 	for (size_t i = 0; i < N && !(t.old && i > 1000); i++)
 		op(&t, &items[order[i]], true);
 	CHECK(t.old != NULL);
+	/* So does ht_each: each node in the table once, none out of it. */
+	visited = 0;
+	ht_each(&t, each, NULL);
+	CHECK(visited == t.n);
+	for (size_t i = 0; i < N; i++)
+		if (items[i].seen != (items[i].in ? 1u : 0u))
+			CHECK(!"ht_each visits each node in the table once");
 	{
 		size_t n = t.n;
 		visited = 0;
