@@ -5,9 +5,10 @@
  *     response size limit, connection reuse and a close with a request in flight.
  *   ddbclient_probe failures: connection refused, a request timeout against a listener that
  *     never answers, closing with requests in flight, and refused arguments.
- *   ddbclient_probe once OPERATION: sends stdin as the body of one request to the configured
- *     endpoint with the configured credentials and prints what came back as one JSON object
- *     (the test checks the request it captured, signature included).
+ *   ddbclient_probe once OPERATION [ignore-crc32]: sends stdin as the body of one request to
+ *     the configured endpoint with the configured credentials and prints what came back as
+ *     one JSON object (the test checks the request it captured, signature included);
+ *     ignore-crc32 sets the option of that name.
  * Exits 0 when every check passed, 1 otherwise. */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -875,12 +876,12 @@ static int failures(void)
 
 static void on_once(const struct ddbclient_result *res, void *arg)
 {
-	json_t *out =
-	    json_pack("{s:s, s:I, s:s, s:s%, s:s, s:b, s:b, s:I, s:I}", "operation", res->operation,
-	              "status", (json_int_t)res->status, "error", res->error, "body", res->body,
-	              res->body_len, "request_id", res->request_id, "timed_out", res->timed_out,
-	              "canceled", res->canceled, "elapsed_ms", (json_int_t)res->elapsed_ms,
-	              "new_connections", (json_int_t)res->new_connections);
+	json_t *out = json_pack(
+	    "{s:s, s:I, s:s, s:s%, s:s, s:b, s:b, s:b, s:I, s:I}", "operation", res->operation,
+	    "status", (json_int_t)res->status, "error", res->error, "body", res->body,
+	    res->body_len, "request_id", res->request_id, "timed_out", res->timed_out, "canceled",
+	    res->canceled, "damaged", res->damaged, "elapsed_ms", (json_int_t)res->elapsed_ms,
+	    "new_connections", (json_int_t)res->new_connections);
 
 	CHECK(out != NULL);
 	if (out) {
@@ -892,7 +893,7 @@ static void on_once(const struct ddbclient_result *res, void *arg)
 	*(bool *)arg = true;
 }
 
-static int once(const char *operation)
+static int once(const char *operation, bool ignore_crc32)
 {
 	struct awsconf conf;
 	struct ddbclient_options o;
@@ -920,6 +921,7 @@ static int once(const char *operation)
 		o.endpoint_url = endpoint;
 		o.host = host;
 		o.region = awsconf_signing_region(&conf);
+		o.ignore_crc32 = ignore_crc32;
 		CHECK(ddbclient_new(&loop, &o, &c) == 0);
 	}
 	if (c && awsconf_has_credentials(&conf)) {
@@ -949,8 +951,10 @@ int main(int argc, char **argv)
 
 	if ((argc != 2 ||
 	     (strcmp(argv[1], "roundtrip") != 0 && strcmp(argv[1], "failures") != 0)) &&
-	    (argc != 3 || strcmp(argv[1], "once") != 0)) {
-		fprintf(stderr, "usage: %s roundtrip|failures|once OPERATION\n", argv[0]);
+	    ((argc != 3 && argc != 4) || strcmp(argv[1], "once") != 0 ||
+	     (argc == 4 && strcmp(argv[3], "ignore-crc32") != 0))) {
+		fprintf(stderr, "usage: %s roundtrip|failures|once OPERATION [ignore-crc32]\n",
+		        argv[0]);
 		return 2;
 	}
 	alarm(120); /* a hang fails the run instead of blocking it */
@@ -960,7 +964,7 @@ int main(int argc, char **argv)
 	}
 	CHECK(ddbclient_global_init() == 0); /* once is enough; again does nothing */
 	if (strcmp(argv[1], "once") == 0)
-		rc = once(argv[2]);
+		rc = once(argv[2], argc == 4);
 	else
 		rc = strcmp(argv[1], "roundtrip") == 0 ? roundtrip() : failures();
 	ddbclient_global_cleanup();
