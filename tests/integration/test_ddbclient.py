@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import threading
+import zlib
 
 import pytest
 
@@ -111,12 +112,16 @@ def test_roundtrip_dynalite_valgrind(probe, dynalite, tmp_path):
 
 
 class _Capture(http.server.ThreadingHTTPServer):
-    """Answers every POST with (status, body) and keeps what it received."""
+    """Answers every POST with (status, body) and keeps what it received. raw_headers are
+    header lines (bytes, no CRLF) sent verbatim after the usual ones; interim, when given,
+    is written verbatim (a whole 1xx response) before the answer."""
 
     daemon_threads = True
 
-    def __init__(self, status, body, request_id):
+    def __init__(self, status, body, request_id, raw_headers=(), interim=None):
         self.reply = (status, body, request_id)
+        self.raw_headers = list(raw_headers)
+        self.interim = interim
         self.requests = []
         super().__init__(("127.0.0.1", 0), _CaptureHandler)
 
@@ -131,10 +136,15 @@ class _CaptureHandler(http.server.BaseHTTPRequestHandler):
             "method": self.command, "path": self.path,
             "headers": list(self.headers.items()), "body": body})
         status, answer, request_id = self.server.reply
+        if self.server.interim is not None:
+            self.wfile.write(self.server.interim)
         self.send_response(status)
         self.send_header("Content-Type", "application/x-amz-json-1.0")
         self.send_header("x-amzn-RequestId", request_id)
         self.send_header("Content-Length", str(len(answer)))
+        for line in self.server.raw_headers:
+            # send_header would put a space after the colon and refuse line breaks
+            self._headers_buffer.append(line + b"\r\n")
         self.end_headers()
         self.wfile.write(answer)
 
@@ -146,8 +156,9 @@ class _CaptureHandler(http.server.BaseHTTPRequestHandler):
 def capture():
     servers = []
 
-    def make(status=200, body=b'{"TableNames":[]}', request_id="REQ-1234"):
-        srv = _Capture(status, body, request_id)
+    def make(status=200, body=b'{"TableNames":[]}', request_id="REQ-1234", raw_headers=(),
+             interim=None):
+        srv = _Capture(status, body, request_id, raw_headers, interim)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
         return srv
@@ -236,3 +247,119 @@ def test_error_answer_passed_through(probe, capture, tmp_path):
     # no region configured anywhere: signed for the default one
     assert "/us-east-1/dynamodb/aws4_request" in _header(req, "Authorization")
     assert _header(req, "X-Amz-Security-Token") is None
+
+
+# ---- x-amz-crc32 ------------------------------------------------------------------------
+# DynamoDB sends the CRC-32 of each answer's body in decimal; ddbclient takes an answer
+# whose body does not match as no answer (status 0, damaged) unless ignore_crc32 is set.
+# A header that is not a number of at most 32 bits is no checksum: the answer is taken.
+
+CRC_BODY = b'{"Count":1,"Items":[{"id":{"S":"crc"}}]}'
+CRC_RIGHT = zlib.crc32(CRC_BODY)
+CRC_WRONG = CRC_RIGHT ^ 1
+assert CRC_RIGHT not in (0, 0xFFFFFFFF, 4294967296 & 0xFFFFFFFF)
+
+
+def _crc_line(value):
+    return b"x-amz-crc32:" + (value if isinstance(value, bytes) else b"%d" % value)
+
+
+def _crc_call(probe, capture, tmp_path, raw_headers, ignore=False, interim=None, vg=()):
+    srv = capture(body=CRC_BODY, request_id="RID-CRC", raw_headers=raw_headers,
+                  interim=interim)
+    env = _clean_env(tmp_path, AWS_ENDPOINT_URL_DYNAMODB="http://127.0.0.1:%d"
+                     % srv.server_address[1], AWS_ACCESS_KEY_ID="AKIDCRC00000001",
+                     AWS_SECRET_ACCESS_KEY="s")
+    cmd = list(vg) + [probe, "once", "Query"] + (["ignore-crc32"] if ignore else [])
+    r = _run(cmd, env, stdin=b'{"TableName":"t"}', timeout=300 if vg else 120)
+    _assert_passed(r, "once")
+    assert len(srv.requests) == 1  # a damaged answer is not retried by ddbclient itself
+    return json.loads(r.stdout)
+
+
+def _assert_taken(out):
+    assert (out["status"], out["error"], out["damaged"]) == (200, "", False), out
+    assert out["body"] == CRC_BODY.decode() and out["request_id"] == "RID-CRC"
+
+
+def _assert_damaged(out):
+    assert out["status"] == 0 and out["damaged"] is True, out
+    assert "x-amz-crc32" in out["error"] and "damaged" in out["error"]
+    assert not out["timed_out"] and not out["canceled"]
+
+
+@pytest.mark.parametrize("value", [
+    CRC_RIGHT,
+    b" %d" % CRC_RIGHT,          # the usual "name: value"
+    b" \t%d \t" % CRC_RIGHT,     # blanks around the number
+    b" 000%d" % CRC_RIGHT,       # leading zeros are still the number
+], ids=["bare", "space", "blanks", "zeros"])
+def test_crc32_right_is_taken(probe, capture, tmp_path, value):
+    _assert_taken(_crc_call(probe, capture, tmp_path, [_crc_line(value)]))
+
+
+@pytest.mark.parametrize("line", [
+    _crc_line(CRC_WRONG),
+    _crc_line(b" %d " % CRC_WRONG),
+    b"X-Amz-CRC32: %d" % CRC_WRONG,  # header names are case-insensitive
+    _crc_line(b" 0"),                # 0 is a checksum like any other
+    _crc_line(b" 4294967295"),       # the largest 32-bit value is still one
+], ids=["bare", "blanks", "case", "zero", "max"])
+def test_crc32_wrong_is_damaged(probe, capture, tmp_path, line):
+    _assert_damaged(_crc_call(probe, capture, tmp_path, [line]))
+
+
+def test_crc32_wrong_taken_with_ignore_crc32(probe, capture, tmp_path):
+    _assert_taken(_crc_call(probe, capture, tmp_path, [_crc_line(b" %d" % CRC_WRONG)],
+                            ignore=True))
+
+
+@pytest.mark.parametrize("lines", [
+    [],
+    [b"x-amz-crc32:"],
+    [b"x-amz-crc32:   \t"],
+    [_crc_line(b" abc")],
+    [_crc_line(b" 4294967296")],               # 2^32: would be 0 if truncated
+    [_crc_line(b" %d" % (CRC_WRONG + (1 << 32)))],  # would be CRC_WRONG if truncated
+    [_crc_line(b" 99999999999999999999999999")],  # beyond 64 bits too
+    [_crc_line(b" +%d" % CRC_WRONG)],          # a sign is not a digit
+    [_crc_line(b" -%d" % CRC_WRONG)],
+    [_crc_line(b" %dabc" % CRC_WRONG)],        # a number followed by anything else
+    [_crc_line(b" %d %d" % (CRC_WRONG, CRC_WRONG))],
+    [_crc_line(b" 0x%x" % CRC_WRONG)],
+    # an obsolete folded header whose first line is empty: no checksum
+    [b"x-amz-crc32:", b" %d" % CRC_WRONG],
+], ids=["absent", "empty", "blank", "letters", "2^32", "wrong+2^32", "huge", "plus", "minus",
+        "trailing", "two-numbers", "hex", "folded"])
+def test_crc32_no_checksum_is_taken(probe, capture, tmp_path, lines):
+    _assert_taken(_crc_call(probe, capture, tmp_path, lines))
+
+
+# The header twice: each number replaces the one before (the last number wins, silently);
+# something that is not a number leaves the one before in place.
+@pytest.mark.parametrize("values,damaged", [
+    ([CRC_RIGHT, CRC_RIGHT], False),
+    ([CRC_RIGHT, CRC_WRONG], True),
+    ([CRC_WRONG, CRC_RIGHT], False),  # questionable: a contradicting checksum is ignored
+    ([CRC_WRONG, b" abc"], True),
+    ([CRC_RIGHT, b""], False),
+], ids=["same", "right-wrong", "wrong-right", "wrong-letters", "right-empty"])
+def test_crc32_header_twice(probe, capture, tmp_path, values, damaged):
+    out = _crc_call(probe, capture, tmp_path, [_crc_line(v) for v in values])
+    (_assert_damaged if damaged else _assert_taken)(out)
+
+
+def test_crc32_of_an_interim_response_is_forgotten(probe, capture, tmp_path):
+    """A 100 Continue before the answer carries a wrong x-amz-crc32 of its own: the answer,
+    which carries none, is taken; the one that carries the right one too."""
+    interim = b"HTTP/1.1 100 Continue\r\nx-amz-crc32: %d\r\n\r\n" % CRC_WRONG
+    _assert_taken(_crc_call(probe, capture, tmp_path, [], interim=interim))
+    _assert_taken(_crc_call(probe, capture, tmp_path, [_crc_line(CRC_RIGHT)],
+                            interim=interim))
+
+
+def test_crc32_damaged_valgrind(probe, capture, tmp_path):
+    vg = _valgrind(probe)
+    if vg is None:
+        pytest.skip("valgrind missing, or an ASan build (which checks leaks itself)")
+    _assert_damaged(_crc_call(probe, capture, tmp_path, [_crc_line(CRC_WRONG)], vg=vg))
