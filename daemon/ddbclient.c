@@ -36,7 +36,8 @@ struct request {
 	size_t resp_len, resp_cap;
 	bool resp_too_large;
 	bool has_crc32; /* the answer carried x-amz-crc32 (a number) */
-	uint32_t crc32; /* and its value */
+	bool crc32_twice; /* and another, different one: it cannot match both */
+	uint32_t crc32;   /* the value */
 	char request_id[DDBCLIENT_REQUEST_ID_MAX + 1];
 	char errbuf[CURL_ERROR_SIZE];
 	char operation[DDBCLIENT_OPERATION_MAX + 1];
@@ -251,7 +252,8 @@ static size_t on_write(char *data, size_t size, size_t nmemb, void *userp)
 }
 
 /* x-amz-crc32: DynamoDB's CRC-32 of the answer's body, in decimal. Anything else (no
- * digits, more than 32 bits) is no checksum: the answer is taken unchecked. */
+ * digits, more than 32 bits) is no checksum: the answer is taken unchecked. Two different
+ * numbers (the header twice) contradict each other: the answer is not believed. */
 static void take_crc32(struct request *r, const char *v, size_t len)
 {
 	uint64_t x = 0;
@@ -267,6 +269,8 @@ static void take_crc32(struct request *r, const char *v, size_t len)
 	for (; i < len; i++)
 		if (v[i] != ' ' && v[i] != '\t' && v[i] != '\r' && v[i] != '\n')
 			return;
+	if (r->has_crc32 && r->crc32 != (uint32_t)x)
+		r->crc32_twice = true;
 	r->crc32 = (uint32_t)x;
 	r->has_crc32 = true;
 }
@@ -281,7 +285,7 @@ static size_t on_header(char *data, size_t size, size_t nitems, void *userp)
 	if (n >= 5 && memcmp(data, "HTTP/", 5) == 0) {
 		/* A new response (after a 100 Continue, say). */
 		r->request_id[0] = '\0';
-		r->has_crc32 = false;
+		r->has_crc32 = r->crc32_twice = false;
 		return n;
 	}
 	if (n > sizeof(crc) - 1 && strncasecmp(data, crc, sizeof(crc) - 1) == 0) {
@@ -424,7 +428,7 @@ static void request_finish(struct ddbclient *c, struct request *r, CURLcode code
 	/* The whole body left: the server may have acted on it, answer or not. */
 	res.sent = !canceled && (res.status != 0 || res.uploaded >= r->body_len);
 	if (res.status != 0 && r->has_crc32 && !c->ignore_crc32 &&
-	    crc32_update(0, r->resp ? r->resp : "", r->resp_len) != r->crc32) {
+	    (r->crc32_twice || crc32_update(0, r->resp ? r->resp : "", r->resp_len) != r->crc32)) {
 		/* Damaged on the way (a middlebox, a bad link): what it says cannot be trusted,
 		 * so it is as if no answer came (the request left whole), and the caller tries
 		 * again as it would after a broken connection. The AWS SDKs do the same. */
@@ -772,7 +776,7 @@ int ddbclient_call(struct ddbclient *c, const char *operation, const void *body,
 	if (r->resp)
 		r->resp[0] = '\0';
 	r->resp_too_large = false;
-	r->has_crc32 = false;
+	r->has_crc32 = r->crc32_twice = false;
 	r->request_id[0] = '\0';
 	r->errbuf[0] = '\0';
 	r->cb = cb;

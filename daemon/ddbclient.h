@@ -40,8 +40,10 @@ struct ddbclient_result {
 	bool timed_out;        /* the transport failed on a connect or request timeout */
 	bool canceled;         /* ddbclient_close ended the request; status is 0 */
 	bool sent;             /* the whole request left (the server may have acted on it) */
-	bool damaged;          /* an answer came whose body did not match its x-amz-crc32:
-	                        * status is 0, as if none had come */
+	bool damaged;          /* an answer came whose body did not match its x-amz-crc32
+	                        * (or that carried two different ones): status is 0, as if
+	                        * none had come; body and request_id are still that answer's,
+	                        * for the log only */
 	uint64_t uploaded;     /* bytes of the body that left */
 	const char *body;      /* the answer, NUL-terminated ("" when none) */
 	size_t body_len;

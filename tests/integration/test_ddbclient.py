@@ -335,12 +335,13 @@ def test_crc32_no_checksum_is_taken(probe, capture, tmp_path, lines):
     _assert_taken(_crc_call(probe, capture, tmp_path, lines))
 
 
-# The header twice: each number replaces the one before (the last number wins, silently);
-# something that is not a number leaves the one before in place.
+# The header twice: two different numbers contradict each other, and the answer is not
+# believed whichever comes first; the same number twice is one checksum; something that is
+# not a number leaves the one before in place.
 @pytest.mark.parametrize("values,damaged", [
     ([CRC_RIGHT, CRC_RIGHT], False),
     ([CRC_RIGHT, CRC_WRONG], True),
-    ([CRC_WRONG, CRC_RIGHT], False),  # questionable: a contradicting checksum is ignored
+    ([CRC_WRONG, CRC_RIGHT], True),
     ([CRC_WRONG, b" abc"], True),
     ([CRC_RIGHT, b""], False),
 ], ids=["same", "right-wrong", "wrong-right", "wrong-letters", "right-empty"])
