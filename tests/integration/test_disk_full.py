@@ -678,6 +678,9 @@ def test_durability_none_failed_flush_keeps_acknowledged(daemon_factory, small_f
     finally:
         os.unlink(filler)
     wait_until(lambda: "commits succeed again" in d.log(), scaled(5), "a commit")
+    # The closed conversation leaves memory once its close is written.
+    wait_until(lambda: c.ok({"op": "stats"})["conversations"] == 1, scaled(5),
+               "the closed conversation to leave memory")
     d.stop(signal.SIGKILL)
     d.start()
     c = d.connect()
