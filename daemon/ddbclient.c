@@ -38,6 +38,7 @@ struct request {
 	bool has_crc32; /* the answer carried x-amz-crc32 (a number) */
 	bool crc32_twice; /* and another, different one: it cannot match both */
 	uint32_t crc32;   /* the value */
+	uint32_t resp_crc32; /* the CRC-32 of resp so far, kept as it comes (on_write) */
 	char request_id[DDBCLIENT_REQUEST_ID_MAX + 1];
 	char errbuf[CURL_ERROR_SIZE];
 	char operation[DDBCLIENT_OPERATION_MAX + 1];
@@ -247,6 +248,9 @@ static size_t on_write(char *data, size_t size, size_t nmemb, void *userp)
 	}
 	memcpy(r->resp + r->resp_len, data, n);
 	r->resp_len += n;
+	/* A piece at a time, so that a 1 MB answer does not hold the loop at its end. */
+	if (!r->client->ignore_crc32)
+		r->resp_crc32 = crc32_update(r->resp_crc32, data, n);
 	r->resp[r->resp_len] = '\0';
 	return n;
 }
@@ -428,7 +432,7 @@ static void request_finish(struct ddbclient *c, struct request *r, CURLcode code
 	/* The whole body left: the server may have acted on it, answer or not. */
 	res.sent = !canceled && (res.status != 0 || res.uploaded >= r->body_len);
 	if (res.status != 0 && r->has_crc32 && !c->ignore_crc32 &&
-	    (r->crc32_twice || crc32_update(0, r->resp ? r->resp : "", r->resp_len) != r->crc32)) {
+	    (r->crc32_twice || r->resp_crc32 != r->crc32)) {
 		/* Damaged on the way (a middlebox, a bad link): what it says cannot be trusted,
 		 * so it is as if no answer came (the request left whole), and the caller tries
 		 * again as it would after a broken connection. The AWS SDKs do the same. */
@@ -777,6 +781,7 @@ int ddbclient_call(struct ddbclient *c, const char *operation, const void *body,
 		r->resp[0] = '\0';
 	r->resp_too_large = false;
 	r->has_crc32 = r->crc32_twice = false;
+	r->resp_crc32 = 0;
 	r->request_id[0] = '\0';
 	r->errbuf[0] = '\0';
 	r->cb = cb;
