@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "log.h"
+
 /* sqlite3's WAL format (https://www.sqlite.org/fileformat2.html#walformat) */
 #define WAL_FRAME_HEADER 24
 /* What one file gathers at most before it writes (a commit of many pages goes in parts):
@@ -48,6 +50,7 @@ struct wfile {
 	/* The offset of the frame whose page is awaited, and of the last commit frame while
 	 * nothing but its sync followed it; -1 when none. */
 	sqlite3_int64 frame_off, commit_start;
+	const char *name; /* SQLite's, valid until the close: for messages */
 };
 
 static sqlite3_vfs vfs;
@@ -55,7 +58,8 @@ static sqlite3_vfs *base_vfs;
 static int register_rc;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static sqlite3_vfs vfs_synced;
-static _Atomic unsigned long long n_writes, n_gathered, n_wal_syncs, n_other_syncs, n_spoiled;
+static _Atomic unsigned long long n_writes, n_gathered, n_wal_syncs, n_other_syncs, n_spoiled,
+    n_spoil_failed;
 
 static const sqlite3_io_methods wal_methods;
 
@@ -109,18 +113,31 @@ static int f_truncate(sqlite3_file *f, sqlite3_int64 size)
  * them would bring the commit back at the next open's recovery. Spoiling its commit frame's
  * salts ends the recovery before it: the transaction's other frames, without their commit
  * frame, are ignored. The write goes to the page cache, which a crash of the
- * process keeps; a power cut may keep either, as it may any write whose sync failed. */
+ * process keeps; a power cut may keep either, as it may any write whose sync failed. When
+ * that write fails too, nothing else can be done here: the error is logged (on the thread
+ * that committed; log_msg may be called from the store's writer). */
 static void spoil_commit(struct wfile *w)
 {
 	unsigned char hdr[WAL_FRAME_HEADER];
+	int rc, err = 0;
 
 	if (RM(w)->xRead(w->real, hdr, (int)sizeof(hdr), w->commit_start) != SQLITE_OK)
 		memset(hdr, 0, sizeof(hdr));
 	/* Bytes 8-15: the salts, which must match the WAL header's. */
 	for (size_t i = 8; i < 16; i++)
 		hdr[i] ^= 0xff;
-	if (RM(w)->xWrite(w->real, hdr, (int)sizeof(hdr), w->commit_start) == SQLITE_OK)
+	rc = RM(w)->xWrite(w->real, hdr, (int)sizeof(hdr), w->commit_start);
+	if (rc == SQLITE_OK) {
 		atomic_fetch_add_explicit(&n_spoiled, 1, memory_order_relaxed);
+		return;
+	}
+	atomic_fetch_add_explicit(&n_spoil_failed, 1, memory_order_relaxed);
+	if (RM(w)->xFileControl(w->real, SQLITE_FCNTL_LAST_ERRNO, &err) != SQLITE_OK)
+		err = 0;
+	log_msg(LOG_ERROR, "store",
+	        "%s: a commit whose sync failed could not be spoiled in the WAL (%s, errno %d): a "
+	        "crash before the next commit would bring it back",
+	        w->name ? w->name : "?", sqlite3_errstr(rc), err);
 }
 
 /* Counted once the real sync succeeded: what walvfs_counts reports as durable. */
@@ -362,6 +379,7 @@ static int v_open(sqlite3_vfs *v, const char *name, sqlite3_file *f, int flags, 
 	w->spoil = v == &vfs_synced;
 	w->frame_off = w->commit_start = -1;
 	w->real = (sqlite3_file *)((char *)f + real_offset());
+	w->name = name;
 	rc = base_vfs->xOpen(base_vfs, name, w->real, flags, out_flags);
 	if (rc != SQLITE_OK || !w->real->pMethods) {
 		/* SQLite closes nothing whose pMethods is NULL. */
@@ -497,4 +515,5 @@ void walvfs_counts(struct walvfs_counts *out)
 	out->wal_syncs = atomic_load_explicit(&n_wal_syncs, memory_order_relaxed);
 	out->other_syncs = atomic_load_explicit(&n_other_syncs, memory_order_relaxed);
 	out->spoiled = atomic_load_explicit(&n_spoiled, memory_order_relaxed);
+	out->spoil_failed = atomic_load_explicit(&n_spoil_failed, memory_order_relaxed);
 }

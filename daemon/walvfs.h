@@ -26,7 +26,8 @@ struct walvfs_counts {
 	unsigned long long gathered;
 	unsigned long long wal_syncs;
 	unsigned long long other_syncs;
-	unsigned long long spoiled; /* commits spoiled after their sync failed */
+	unsigned long long spoiled;      /* commits spoiled after their sync failed */
+	unsigned long long spoil_failed; /* and those whose spoiling failed too (logged) */
 };
 void walvfs_counts(struct walvfs_counts *out);
 

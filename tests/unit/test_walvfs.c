@@ -3,7 +3,7 @@
  * them, holds it); transactions bigger than one write, rolled back after spilling frames,
  * without memory to gather, or failing on the way (the file size limit) leave the same
  * database as the default VFS; a commit whose sync failed is not in a crash's copy through
- * WALVFS_SYNCED_NAME. */
+ * WALVFS_SYNCED_NAME, and when its spoiling fails too, that is logged. */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -75,6 +75,23 @@ int fdatasync(int fd)
 		return -1;
 	}
 	return (int)syscall(SYS_fdatasync, fd);
+}
+
+/* The writes of one WAL frame header alone (24 bytes), which only walvfs's spoiling makes
+ * once the commit's frames are gathered, failed with EIO while fail_header_writes is set;
+ * refused_writes counts them. SQLite's unix VFS writes with pwrite64 on Linux (osPwrite64:
+ * the library imports it, not pwrite). */
+static bool fail_header_writes;
+static int refused_writes;
+
+ssize_t pwrite64(int fd, const void *p, size_t n, off64_t off)
+{
+	if (fail_header_writes && n == 24) {
+		refused_writes++;
+		errno = EIO;
+		return -1;
+	}
+	return (ssize_t)syscall(SYS_pwrite64, fd, p, n, off);
 }
 
 static void path_of(char *out, size_t n, const char *dir, const char *file)
@@ -528,6 +545,64 @@ static void test_failed_sync_after_checksum_rewrite(void)
 	CHECK(sqlite3_close(db) == SQLITE_OK);
 }
 
+/* A commit whose sync fails, and whose spoiling fails too (its write refused): the commit is
+ * answered as failed as before, the failed spoiling is logged and counted (a crash before the
+ * next commit brings the commit back, as without the spoiling). The next commit overwrites
+ * its frames: the database, and a crash's copy after it, hold what came before and that
+ * commit, and pass the integrity check. */
+static void test_failed_spoil_is_logged(void)
+{
+	struct walvfs_counts c0, c1;
+	sqlite3 *db = open_db("nospoil", WALVFS_SYNCED_NAME), *copy;
+	char *out;
+	int rc;
+
+	if (!db) {
+		CHECK(false);
+		return;
+	}
+	CHECK(sqlite3_exec(db, "PRAGMA synchronous=FULL; PRAGMA checkpoint_fullfsync=ON", NULL,
+	                   NULL, NULL) == SQLITE_OK);
+	CHECK(put_rows(db, 0, 3, 100, false) == SQLITE_OK);
+	walvfs_counts(&c0);
+	refused_writes = 0;
+	capture_begin();
+	fail_syncs = fail_header_writes = true;
+	rc = put_rows(db, 100, 5, 300, false);
+	fail_syncs = fail_header_writes = false;
+	out = capture_end();
+	walvfs_counts(&c1);
+	printf("a failed spoiling logs: %s", out ? out : "(nothing)\n");
+	CHECK((rc & 0xff) == SQLITE_IOERR);
+	CHECK(refused_writes == 1);
+	CHECK(c1.spoiled == c0.spoiled);
+	CHECK(c1.spoil_failed - c0.spoil_failed == 1);
+	CHECK(out && strstr(out, "error store: ") &&
+	      strstr(out, "/nospoil/t.db-wal: a commit whose sync failed could not be spoiled") &&
+	      strstr(out, "errno 5)"));
+	free(out);
+	CHECK(query_int(db, "SELECT count(*) FROM t") == 3);
+	CHECK((copy = crash_copy("nospoil", "nospoil-crash")) != NULL);
+	if (copy) {
+		CHECK(query_int(copy, "SELECT count(*) FROM t") == 8);
+		sqlite3_close(copy);
+	}
+	CHECK(put_rows(db, 200, 2, 100, false) == SQLITE_OK);
+	CHECK(query_int(db, "SELECT count(*) FROM t") == 5);
+	CHECK(rows_hold(db, 0, 3, 100) && rows_hold(db, 200, 2, 100));
+	CHECK(query_int(db, "SELECT count(*) FROM pragma_integrity_check"
+	                    " WHERE integrity_check = 'ok'") == 1);
+	CHECK((copy = crash_copy("nospoil", "nospoil-crash")) != NULL);
+	if (copy) {
+		CHECK(query_int(copy, "SELECT count(*) FROM t") == 5);
+		CHECK(rows_hold(copy, 0, 3, 100) && rows_hold(copy, 200, 2, 100));
+		CHECK(query_int(copy, "SELECT count(*) FROM pragma_integrity_check"
+		                      " WHERE integrity_check = 'ok'") == 1);
+		sqlite3_close(copy);
+	}
+	CHECK(sqlite3_close(db) == SQLITE_OK);
+}
+
 static void remove_tree(void)
 {
 	char cmd[256];
@@ -559,6 +634,7 @@ int main(void)
 	test_failed_sync_spoils_the_commit();
 	test_failed_checkpoint_sync_spoils_nothing();
 	test_failed_sync_after_checksum_rewrite();
+	test_failed_spoil_is_logged();
 	remove_tree();
 	return test_done("walvfs");
 }
