@@ -2111,14 +2111,13 @@ static bool fold_idle(struct store *s, bool all)
 		uint64_t t0 = mono_ns();
 		if (s->durability == DURABILITY_MACHINE)
 			sqlite3_exec(s->db, "PRAGMA synchronous=NORMAL", NULL, NULL, NULL);
-		if (tx_begin(s) == 0) {
-			if (clear_dead(s) < 0 ||
-			    fold_step(s, STORE_FOLD_IDLE_STEP, all, true) < 0) {
-				tx_rollback(s);
-				more = false;
-			} else if (tx_commit(s) < 0) {
-				more = false;
-			}
+		if (tx_begin(s) < 0) {
+			more = false; /* as below: not again before the next job */
+		} else if (clear_dead(s) < 0 || fold_step(s, STORE_FOLD_IDLE_STEP, all, true) < 0) {
+			tx_rollback(s);
+			more = false;
+		} else if (tx_commit(s) < 0) {
+			more = false;
 		}
 		if (s->durability == DURABILITY_MACHINE &&
 		    sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) != SQLITE_OK)
