@@ -441,6 +441,8 @@ struct store {
 	size_t txn_cursor;   /* cursor when the open transaction began */
 	bool txn_fold_started, txn_fold_ended; /* what the transaction's fold step did */
 	bool sync_lost; /* machine: synchronous=FULL not set back after a fold (tx_begin) */
+	bool fail_sync_full;                   /* a test's: setting it back fails (dbmu) */
+	unsigned sync_full_failures;           /* and how often it did */
 	size_t txn_segments, txn_folded;       /* and how much it wrote */
 	/* The two tables of batches: whose batches each holds, and how many (the open
 	 * transaction's included); at the start of that transaction, txn_bt. */
@@ -1545,6 +1547,17 @@ static int batch_table(struct store *s)
 
 /* ---- the writer's transactions ---- */
 
+/* At durability machine: synchronous=FULL set back after a fold's transaction at NORMAL
+ * (or refused, when a test asked for it). An SQLite result code. */
+static int sync_full(struct store *s)
+{
+	if (s->fail_sync_full) {
+		s->sync_full_failures++;
+		return SQLITE_NOMEM;
+	}
+	return sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL);
+}
+
 /* One SQLite transaction of the writer (or of the thread that opens or closes the store,
  * when the writer is not running). The fold step inside it is finished or undone with it. */
 static int tx_begin(struct store *s)
@@ -1554,7 +1567,7 @@ static int tx_begin(struct store *s)
 	/* At machine, synchronous=FULL could not be set back after a fold (fold_idle): no
 	 * commit goes unsynced. */
 	if (s->sync_lost) {
-		if (sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) != SQLITE_OK)
+		if (sync_full(s) != SQLITE_OK)
 			return -EIO;
 		s->sync_lost = false;
 	}
@@ -2119,8 +2132,7 @@ static bool fold_idle(struct store *s, bool all)
 		} else if (tx_commit(s) < 0) {
 			more = false;
 		}
-		if (s->durability == DURABILITY_MACHINE &&
-		    sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) != SQLITE_OK)
+		if (s->durability == DURABILITY_MACHINE && sync_full(s) != SQLITE_OK)
 			s->sync_lost = true; /* the next transaction sets it, or fails */
 		count_add(&s->n.fold_ns, mono_ns() - t0);
 		more = more && fold_wanted(s, all);
@@ -2577,6 +2589,18 @@ void store_set_fold_records(struct store *s, size_t n)
 	pthread_mutex_lock(&s->dbmu);
 	s->fold_records = n ? n : 1;
 	pthread_mutex_unlock(&s->dbmu);
+}
+
+unsigned store_fail_sync_full(struct store *s, bool fail)
+{
+	unsigned n;
+
+	pthread_mutex_lock(&s->dbmu);
+	s->fail_sync_full = fail;
+	n = s->sync_full_failures;
+	s->sync_full_failures = 0;
+	pthread_mutex_unlock(&s->dbmu);
+	return n;
 }
 
 void store_set_idle_fold(struct store *s, bool on)

@@ -44,6 +44,11 @@ void store_set_fold_records(struct store *s, size_t n);
  * only in commits once four cycles' worth of records is pending, and at store_idle and
  * close. */
 void store_set_idle_fold(struct store *s, bool on);
+/* For tests: while fail is set, setting synchronous=FULL back at durability machine (after
+ * a fold's own transaction at NORMAL, and at the start of the next transaction when that
+ * failed) fails as if SQLite refused it. Returns how many times it failed since the last
+ * call. */
+unsigned store_fail_sync_full(struct store *s, bool fail);
 /* For tests: the WAL sizes in pages that start a round of the checkpoint thread (default
  * 16000) and past which the writer waits for it and checkpoints itself (32000; not below
  * the first: equal, the thread is never asked), and the frames a round may leave behind

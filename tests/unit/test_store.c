@@ -1,7 +1,8 @@
 /* Unit tests for daemon/store: round trips of conversations (positions, versions, seen
  * values, summaries, NUL bytes and non-ASCII), upserts, closed conversations, the spool,
  * dead letters, purge, transactions, reopening, broken files, an unwritable directory, a
- * full disk, and a micro-benchmark of the group commit. */
+ * full disk, synchronous=FULL not set back after a fold at durability machine, and a
+ * micro-benchmark of the group commit. */
 #include "store.h"
 
 #include "ddbitem.h"
@@ -2436,6 +2437,99 @@ static long long commit_big(const char *tag, int machine, int n, int checkpoint,
  * checkpoint between jobs). Both sizes are equal here, so the checkpoint thread is never
  * asked and nothing else keeps the WAL short: 600 commits of an 8 kB message write about
  * 1,800 pages, in a WAL bounded at 50. */
+/* Waits until the writer folded everything committed (store_set_fold_records(s, 1): it
+ * folds once it has no job). */
+static bool folded(struct store *s)
+{
+	struct store_stats st;
+
+	for (int t = 0; t < 20000; t++) {
+		store_stats(s, &st);
+		if (st.pending == 0)
+			return true;
+		usleep(500);
+	}
+	return false;
+}
+
+/* At durability machine the fold's own transactions run at synchronous=NORMAL, and FULL is
+ * set back after each. When that fails, the next transaction sets it first: its commit is
+ * synced (store.wal_syncs). When it cannot, that transaction fails with -EIO rather than
+ * commit unsynced, and the writer does not spin on the fold meanwhile; once FULL can be set
+ * again, the next transaction is synced, and everything is folded and kept. */
+static void test_sync_restore(void)
+{
+	char dir[128], err[256];
+	struct convo_env env;
+	struct convo *c[8] = {0}, *l = NULL;
+	struct store_progress p;
+	struct store_stats st0, st1;
+	struct store *s = NULL;
+	uint64_t seq;
+	unsigned failures;
+	int k = 0;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "sync-restore");
+	CHECK(store_open(dir, DURABILITY_MACHINE, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	store_set_fold_records(s, 1);
+
+	/* Set back by the next transaction. */
+	store_fail_sync_full(s, true);
+	seq = submit_new(s, &env, c, &k, 3);
+	CHECK(committed_by(s, seq));
+	CHECK(folded(s));
+	failures = store_fail_sync_full(s, false);
+	CHECK(failures >= 1);
+	store_stats(s, &st0);
+	seq = submit_new(s, &env, c, &k, 3);
+	CHECK(committed_by(s, seq));
+	store_stats(s, &st1);
+	printf("sync restore: %u failures injected, then a commit: %" PRIu64 " WAL syncs\n",
+	       failures, st1.wal_syncs - st0.wal_syncs);
+	CHECK(st1.wal_syncs > st0.wal_syncs);
+	CHECK(folded(s));
+
+	/* Not set back: the next transaction fails, and nothing is written meanwhile. */
+	store_fail_sync_full(s, true);
+	seq = submit_new(s, &env, c, &k, 3);
+	CHECK(committed_by(s, seq));
+	CHECK(folded(s));
+	usleep(100000);
+	seq = submit_new(s, &env, c, &k, 3);
+	CHECK(!committed_by(s, seq));
+	store_progress(s, &p);
+	CHECK(p.failed && p.error == -EIO && p.committed < seq);
+	failures = store_fail_sync_full(s, false);
+	printf("sync restore refused: %u failures injected in 100 ms\n", failures);
+	CHECK(failures >= 2 && failures < 10);
+	store_failure_ack(s);
+	forget_store(c[k - 1]);
+	CHECK(store_begin(s) == 0 && put_pending(s, c[k - 1]) == 3);
+	store_stats(s, &st0);
+	CHECK(store_submit(s, &seq) == 0);
+	CHECK(committed_by(s, seq));
+	store_stats(s, &st1);
+	CHECK(st1.wal_syncs > st0.wal_syncs);
+
+	/* Everything folded, the journal emptied, and every conversation as written. */
+	CHECK(store_idle(s) == 0);
+	for (int t = 0; t < 2000 && count_batches(dir) != 0; t++)
+		usleep(1000);
+	CHECK(count_batches(dir) == 0);
+	for (int i = 0; i < k; i++) {
+		CHECK(store_load_conversation(s, c[i]->id, c[i]->id_len, &l) == 0);
+		CHECK_SAME(c[i], l);
+		convo_free(l);
+		l = NULL;
+	}
+	store_close(s);
+	for (int i = 0; i < k; i++)
+		convo_free(c[i]);
+}
+
 static void test_wal_bound(void)
 {
 	struct store_stats st;
@@ -2778,6 +2872,7 @@ int main(void)
 	test_disk_full();
 	test_async();
 	test_cohort();
+	test_sync_restore();
 	test_wal_bound();
 	test_wal_catch_up();
 	test_wal_writeback();
