@@ -37,7 +37,8 @@ int log_format_parse(const char *s, enum log_format *out);
 const char *log_format_str(enum log_format format);
 
 /* Writes one line to stderr (newlines and other control characters in the message become
- * spaces), rate-limited as above. Never pass secrets. Loop thread only (no locking). */
+ * spaces), rate-limited as above. Never pass secrets. Any thread: the store's writer logs
+ * too, and walvfs on whichever thread commits (the rate limiter's slots are locked). */
 void log_msg(enum log_level level, const char *subsystem, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* The same without the rate limit, for lines an operator asked for (the report of a
