@@ -1562,8 +1562,12 @@ static int sync_full(struct store *s)
  * when the writer is not running). The fold step inside it is finished or undone with it. */
 static int tx_begin(struct store *s)
 {
-	int rc;
-
+	/* The fold's progress as it stands, first: a caller rolls back a transaction that
+	 * failed to begin too, which must then put back this, not the last one's. */
+	s->txn_cursor = s->cursor;
+	memcpy(s->txn_bt, s->bt, sizeof(s->bt));
+	s->txn_fold_started = s->txn_fold_ended = false;
+	s->txn_segments = s->txn_folded = 0;
 	/* At machine, synchronous=FULL could not be set back after a fold (fold_idle): no
 	 * commit goes unsynced. */
 	if (s->sync_lost) {
@@ -1571,14 +1575,7 @@ static int tx_begin(struct store *s)
 			return -EIO;
 		s->sync_lost = false;
 	}
-	rc = run(s, s->st[ST_BEGIN]);
-	if (rc < 0)
-		return rc;
-	s->txn_cursor = s->cursor;
-	memcpy(s->txn_bt, s->bt, sizeof(s->bt));
-	s->txn_fold_started = s->txn_fold_ended = false;
-	s->txn_segments = s->txn_folded = 0;
-	return 0;
+	return run(s, s->st[ST_BEGIN]);
 }
 
 static void tx_rollback(struct store *s)
