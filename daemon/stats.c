@@ -157,6 +157,7 @@ static bool prom_is_counter(const char *name)
 	    "convod_store_wal_syncs",
 	    "convod_store_db_syncs",
 	    "convod_store_commits_spoiled",
+	    "convod_store_spoils_failed",
 	    "convod_store_retry_moves",
 	    "convod_store_retry_moved",
 	    "convod_store_retry_parts",

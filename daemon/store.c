@@ -1168,6 +1168,7 @@ void store_stats(struct store *s, struct store_stats *o)
 	o->wal_syncs = vc.wal_syncs - s->syncs_at_open.wal_syncs;
 	o->db_syncs = vc.other_syncs - s->syncs_at_open.other_syncs;
 	o->commits_spoiled = vc.spoiled - s->syncs_at_open.spoiled;
+	o->spoils_failed = vc.spoil_failed - s->syncs_at_open.spoil_failed;
 	o->db_bytes = file_bytes(s->path, "");
 	o->wal_bytes = file_bytes(s->path, "-wal");
 }
