@@ -622,7 +622,7 @@ static void hand_over_committed(struct dispatch *d)
 		                            e->at_ms) == -ENOMEM) {
 			log_msg(LOG_ERROR, "sink",
 			        "out of memory queueing a write; it stays in the spool");
-			sink_lost(d->sink);
+			sink_lost_row(d->sink);
 		}
 		free(e->conv);
 	}

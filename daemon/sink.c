@@ -193,8 +193,10 @@ struct sink {
 	 * under way counts what it finds in resynced (resync_counts) */
 	bool lost_rows, resync_counts;
 	/* A commit failed since the repairs' rows were last written: rows it held are gone, so
-	 * every repair's row is written again once commits succeed (sink_resync). */
-	bool repairs_lost;
+	 * every repair's row is written again once commits succeed (sink_resync asks for it,
+	 * rewrite_repairs, and the idle handle does it: not inside the caller's commit). */
+	bool repairs_lost, rewrite_repairs;
+	uint64_t repairs_overflow; /* of repairs_dropped, those let go past REPAIR_MAX */
 	uv_idle_t scan_idle;
 	int64_t resync_seq;
 	uint64_t resync_at, resync_ms, resync_ns, resync_slice_end;
@@ -787,7 +789,7 @@ static void repair_queue(struct sink *s, struct repair *r, uint64_t due_ms)
 
 /* Records r in the store (due in delay_ms), or, done, deletes its row. A failure is logged:
  * r is still done from memory, only a restart would not look at it again. */
-static void repair_record(struct sink *s, const struct repair *r, bool done, uint64_t delay_ms)
+static int repair_record(struct sink *s, const struct repair *r, bool done, uint64_t delay_ms)
 {
 	int rc = store_write_begin(s);
 
@@ -801,6 +803,7 @@ static void repair_record(struct sink *s, const struct repair *r, bool done, uin
 		        " to look at again failed in the local store (%s)",
 		        (int)(r->conv_len > 200 ? 200 : r->conv_len), r->conv, r->sk,
 		        done ? "forgetting" : "recording", r->version, strerror(-rc));
+	return rc;
 }
 
 /* r is done with (or given up): its row goes, and r. */
@@ -880,7 +883,8 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 		const struct entry *e = b->e[i];
 		struct repair *r;
 		if (s->repairs.n >= REPAIR_MAX) {
-			uint64_t n = ++s->repairs_dropped;
+			uint64_t n = ++s->repairs_overflow;
+			s->repairs_dropped++;
 			if ((n & (n - 1)) == 0) /* the 1st, 2nd, 4th, ... */
 				log_msg(LOG_WARN, SUBSYS,
 				        "%d writes without a clear answer wait to be looked at "
@@ -1455,12 +1459,25 @@ void sink_lost(struct sink *s)
 		s->lost = s->lost_rows = s->repairs_lost = true;
 }
 
+void sink_lost_row(struct sink *s)
+{
+	if (s && s->table)
+		s->lost = s->lost_rows = true;
+}
+
+struct rewrite_ctx {
+	uint64_t now;
+	int rc;
+};
+
 static void repair_rewrite(struct hnode *h, void *arg)
 {
 	struct repair *r = (struct repair *)h;
-	uint64_t now = *(const uint64_t *)arg;
+	struct rewrite_ctx *x = arg;
 
-	repair_record(r->s, r, false, r->due_ms > now ? r->due_ms - now : 0);
+	/* After one failed, the transaction fails as a whole: the commit's failure asks again. */
+	if (x->rc == 0)
+		x->rc = repair_record(r->s, r, false, r->due_ms > x->now ? r->due_ms - x->now : 0);
 }
 
 /* The repairs' rows a failed commit held are lost: each repair waiting or in flight writes
@@ -1469,16 +1486,16 @@ static void repair_rewrite(struct hnode *h, void *arg)
  * start looks at it once more, harmlessly (its PutItem is conditional). */
 static void repairs_rewrite(struct sink *s)
 {
-	uint64_t now = uv_now(s->loop);
+	struct rewrite_ctx x = {uv_now(s->loop), 0};
 
-	s->repairs_lost = false;
+	s->repairs_lost = s->rewrite_repairs = false;
 	if (s->repairs.n == 0)
 		return;
 	log_msg(LOG_INFO, SUBSYS,
 	        "writing the rows of %zu message%s to look at again anew "
 	        "after a failed commit",
 	        s->repairs.n, s->repairs.n == 1 ? "" : "s");
-	ht_each(&s->repairs, repair_rewrite, &now);
+	ht_each(&s->repairs, repair_rewrite, &x);
 }
 
 /* Whether a scan of the spool that last ran at loop time at and took took_ms may run again
@@ -1576,7 +1593,8 @@ static void bytes_slice(struct sink *s)
  * (sink_reread, after the one under way). */
 static void scan_arm(struct sink *s)
 {
-	if (!s->closing && (s->resyncing || s->bytes_counting || (s->lost && s->resync_now)))
+	if (!s->closing &&
+	    (s->resyncing || s->bytes_counting || s->rewrite_repairs || (s->lost && s->resync_now)))
 		uv_idle_start(&s->scan_idle, on_scan_idle);
 	else
 		uv_idle_stop(&s->scan_idle);
@@ -1591,6 +1609,8 @@ static void on_scan_idle(uv_idle_t *h)
 		uv_idle_stop(h);
 		return;
 	}
+	if (s->rewrite_repairs)
+		repairs_rewrite(s);
 	if (s->resyncing)
 		resync_slice(s);
 	else if (s->lost && s->resync_now)
@@ -1604,8 +1624,13 @@ int sink_resync(struct sink *s)
 {
 	if (!s || !s->table || s->closing)
 		return 0;
-	if (s->repairs_lost)
-		repairs_rewrite(s);
+	if (s->repairs_lost) {
+		/* On the next turn: the caller may be inside a commit that must leave no
+		 * transaction open (dispatch_commit before retry_dead_letters' move). */
+		s->repairs_lost = false;
+		s->rewrite_repairs = true;
+		uv_idle_start(&s->scan_idle, on_scan_idle);
+	}
 	if (s->resyncing)
 		return 1; /* under way: the slices go on from the idle handle */
 	if (!s->lost)
@@ -2193,6 +2218,10 @@ static void on_close_timer(uv_timer_t *t)
 	if (s->finishing)
 		return;
 	s->finishing = true;
+	/* Rows a failed commit took with it, not written again yet: the stop's last commit
+	 * (main.c) takes them, so that the next start looks at those repairs too. */
+	if (s->repairs_lost || s->rewrite_repairs)
+		repairs_rewrite(s);
 	if (s->depth > 0)
 		log_msg(LOG_WARN, SUBSYS,
 		        "stopping with %zu write%s not confirmed; they stay in the spool for the "

@@ -77,12 +77,15 @@ int sink_enqueue(struct sink *s, const char *conv, size_t conv_len, const char *
 /* Starts sending what is ready (called after each store commit). Accepts NULL. */
 void sink_kick(struct sink *s);
 
-/* Spool rows the sink may no longer hold: what it recorded in a commit that failed (a
- * confirmation, a dead letter: the spool row stays), or a row the caller could not enqueue.
- * The sink also notes its own failed recordings. sink_resync then reads the spool again,
- * and writes the rows of the writes it waits to look at again (repair_add in sink.c) anew,
- * since the failed commit may have held some. Accepts NULL. */
+/* A commit failed: spool rows the sink may no longer hold are what it recorded there (a
+ * confirmation, a dead letter: the spool row stays). The sink also notes its own failed
+ * recordings. sink_resync then reads the spool again, and has the rows of the writes it
+ * waits to look at again (repair_add in sink.c) written anew on the next loop turn, since
+ * the failed commit may have held some. Accepts NULL. */
 void sink_lost(struct sink *s);
+/* Only a row the caller could not enqueue (out of memory): the spool is read again as
+ * above; no commit failed. Accepts NULL. */
+void sink_lost_row(struct sink *s);
 /* Call when the store can be written (after a commit that succeeded, or while no commit
  * fails): if the sink lost rows, reads the spool again and enqueues every row (idempotent:
  * rows it holds keep their state; those it lost are sent again, which DynamoDB takes as the

@@ -393,7 +393,9 @@ def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, 
     """A write left without an answer while the disk is full: the commit that records its
     messages to look at again (the repairs rows) fails. Once commits succeed again the rows
     are written anew, so that a crash before the look does not forget it: after kill -9 the
-    next start finds both. (They used to be kept in memory only, gone with a crash.)"""
+    next start finds both. (They used to be kept in memory only, gone with a crash.) The
+    rewrite waits for the next loop turn: a retry_dead_letters whose commit is the first to
+    succeed is not failed by it."""
     timeout = int(3000 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
     state = os.path.join(small_fs, "state")
     d = daemon_factory(["--state-dir", state, "--dynamodb-table", ddb_table,
@@ -420,7 +422,14 @@ def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, 
     reader.execute("COMMIT")
     reader.close()
     os.unlink(filler)
-    c.ok({"op": "add_user", "conversation": "after", "contents": "space again"})
+    # Commits succeed again with this add, which retry_dead_letters, read in the same turn,
+    # commits before its move: the rows are written on the next turn, not inside that
+    # commit (a transaction left open there made the move fail with "unavailable").
+    c.send_raw((json.dumps({"id": "add", "op": "add_user", "conversation": "after",
+                            "contents": "space again"}) + "\n" +
+                json.dumps({"id": "retry", "op": "retry_dead_letters"}) + "\n").encode())
+    added, retried = c.recv(), c.recv()
+    assert added["ok"] and retried["ok"], (added, retried)
     wait_until(lambda: store_rows(state, count) == [(2,)], 5, "the repairs rows written anew")
     assert "writing the rows of 2 messages to look at again anew" in d.log(), d.log()
     for conn in d.conns:
