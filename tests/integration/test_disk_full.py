@@ -432,12 +432,7 @@ def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, 
     assert added["ok"] and retried["ok"], (added, retried)
     wait_until(lambda: store_rows(state, count) == [(2,)], 5, "the repairs rows written anew")
     assert "writing the rows of 2 messages to look at again anew" in d.log(), d.log()
-    for conn in d.conns:
-        conn.close()
-    d.conns = []
-    os.kill(d.proc.pid, signal.SIGKILL)
-    d.proc.wait()
-    d.stderr.close()
+    d.stop(signal.SIGKILL)
     if time.monotonic() - t0 > 3 * timeout / 1000.0:
         pytest.skip("too slow here: the repairs came due before the crash")
     d.start()
