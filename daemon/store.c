@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <sqlite3.h>
@@ -28,6 +29,7 @@
 #include "ops.h"
 #include "pagecache.h"
 #include "siphash.h"
+#include "walcheck.h"
 #include "walvfs.h"
 
 #define STORE_FILE "convod.db"
@@ -2408,12 +2410,161 @@ void store_failure_ack(struct store *s)
 
 /* ---- open and close ---- */
 
+/* Copies the file open on fd to path (new), synced with its directory. 0 or -errno. */
+static int copy_synced(int fd, const char *path)
+{
+	char buf[65536], dir[PATH_MAX + 64], *slash;
+	int out = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600), dfd, rc = 0;
+	off_t off = 0;
+
+	if (out < 0)
+		return -errno;
+	for (;;) {
+		ssize_t n = pread(fd, buf, sizeof(buf), off), w = 0;
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			rc = n < 0 ? -errno : 0;
+			break;
+		}
+		while (w < n) {
+			ssize_t k = write(out, buf + w, (size_t)(n - w));
+			if (k < 0 && errno == EINTR)
+				continue;
+			if (k < 0)
+				break;
+			w += k;
+		}
+		if (w < n) {
+			rc = -errno;
+			break;
+		}
+		off += n;
+	}
+	if (rc == 0 && fsync(out) < 0)
+		rc = -errno;
+	if (close(out) < 0 && rc == 0)
+		rc = -errno;
+	if (rc < 0) {
+		unlink(path);
+		return rc;
+	}
+	snprintf(dir, sizeof(dir), "%s", path);
+	if ((slash = strrchr(dir, '/')))
+		*slash = '\0';
+	if ((dfd = open(slash ? dir : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)) >= 0) {
+		fsync(dfd);
+		close(dfd);
+	}
+	return 0;
+}
+
+/* Before SQLite's recovery reads the WAL (walcheck.h): intact commits beyond the point
+ * where that recovery stops, which it drops without a word (and the next commit writes
+ * over). Only the last commit of the file, with a frame of its own not as written, is what
+ * a power loss during its write leaves (the disk kept its commit frame and not an earlier
+ * one): a warning. Anything more is a file damaged after it was written, or a power loss
+ * that kept later writes of several commits and lost earlier ones (durability process
+ * does not sync each commit): an error, and a copy of the file as it was is kept beside it
+ * (convod.db-wal.damaged-TIME), for whoever wants those commits back. Either way the
+ * daemon goes on with what recovery keeps. Returns whether recovery drops whole commits:
+ * the frames left after those it keeps must then go (wal_forget_dropped). */
+static bool wal_check(struct store *s)
+{
+	char wal[PATH_MAX], copy[PATH_MAX + 64], when[32];
+	struct walcheck w;
+	struct tm tm;
+	time_t now = time(NULL);
+	int fd, rc;
+
+	if ((size_t)snprintf(wal, sizeof(wal), "%s-wal", s->path) >= sizeof(wal))
+		return false; /* SQLite could not open it either */
+	if ((fd = open(wal, O_RDONLY | O_CLOEXEC)) < 0) {
+		if (errno != ENOENT)
+			log_msg(LOG_WARN, "store", "cannot open %s to check it: %s", wal,
+			        strerror(errno));
+		return false;
+	}
+	if ((rc = walcheck_scan(fd, &w)) < 0)
+		log_msg(LOG_WARN, "store", "cannot read %s to check it: %s", wal, strerror(-rc));
+	if (rc < 0 || !w.lost_commits) {
+		close(fd);
+		return false;
+	}
+	if (w.header_ok && w.lost_commits == 1 && w.last_lost == w.last_own) {
+		log_msg(LOG_WARN, "store",
+		        "%s: frame %" PRId64 " is not as it was written, and SQLite's recovery "
+		        "drops the last commit of the file (frame %" PRId64
+		        "), which it belongs to: a power loss while that commit was written "
+		        "leaves this",
+		        wal, w.first_bad, w.last_lost);
+		close(fd);
+		return true;
+	}
+	gmtime_r(&now, &tm);
+	strftime(when, sizeof(when), "%Y%m%dT%H%M%SZ", &tm);
+	snprintf(copy, sizeof(copy), "%s.damaged-%s", wal, when);
+	rc = copy_synced(fd, copy);
+	close(fd);
+	if (w.header_ok)
+		log_msg(LOG_ERROR, "store",
+		        "%s is damaged: SQLite's recovery stops at frame %" PRId64 " of %" PRId64
+		        ", keeps the %" PRId64 " commits before it and drops %" PRId64
+		        " later ones (up to frame %" PRId64 ") whose frames are intact",
+		        wal, w.first_bad, w.frames, w.kept_commits, w.lost_commits, w.last_lost);
+	else
+		log_msg(LOG_ERROR, "store",
+		        "%s is damaged: its header is, so SQLite's recovery ignores the whole file "
+		        "and drops %" PRId64 " commits (up to frame %" PRId64
+		        ") whose frames are intact",
+		        wal, w.lost_commits, w.last_lost);
+	if (rc == 0)
+		log_msg(LOG_ERROR, "store",
+		        "a copy of %s as it was is %s (damaged after it was written, or a power "
+		        "loss kept later writes and lost earlier ones)",
+		        wal, copy);
+	else
+		log_msg(LOG_ERROR, "store", "cannot keep a copy of %s as %s: %s", wal, copy,
+		        strerror(-rc));
+	return true;
+}
+
+/* After a recovery that dropped whole commits (wal_check): the frames after those it kept
+ * stay in the file, with this WAL's salts, where later commits write over only as far as
+ * they reach; a crash then would show the rest as commits dropped again. A full checkpoint
+ * that truncates the WAL (SQLite's, which knows what it kept) removes them. */
+static void wal_forget_dropped(struct store *s)
+{
+	int busy = -1, frames = -1, done = -1;
+	sqlite3_stmt *st = NULL;
+	int rc = sqlite3_prepare_v2(s->db, "PRAGMA wal_checkpoint(TRUNCATE)", -1, &st, NULL);
+
+	if (rc == SQLITE_OK && (rc = sqlite3_step(st)) == SQLITE_ROW) {
+		busy = sqlite3_column_int(st, 0);
+		frames = sqlite3_column_int(st, 1);
+		done = sqlite3_column_int(st, 2);
+		rc = SQLITE_OK;
+	}
+	sqlite3_finalize(st);
+	if (rc != SQLITE_OK || busy != 0)
+		log_msg(LOG_WARN, "store",
+		        "%s: cannot checkpoint and empty the WAL after its recovery dropped "
+		        "commits (%s): the frames it dropped are still in it",
+		        s->path, rc != SQLITE_OK ? sqlite3_errmsg(s->db) : "busy");
+	else
+		log_msg(LOG_INFO, "store",
+		        "%s: after that recovery, the WAL was checkpointed (%d of %d frames) and "
+		        "emptied",
+		        s->path, done, frames);
+}
+
 int store_open(const char *dir, enum durability durability, struct store **out, char *errbuf,
                size_t errlen)
 {
 	struct store *s = NULL;
 	struct stat sb;
 	int64_t rows = 0;
+	bool dropped;
 	size_t n;
 	int rc;
 
@@ -2468,6 +2619,7 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		goto fail;
 	}
 	walvfs_counts(&s->syncs_at_open);
+	dropped = wal_check(s);
 	/* At machine a commit whose sync fails is spoiled in the WAL too (walvfs.h). */
 	rc = sqlite3_open_v2(s->path, &s->db,
 	                     SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX |
@@ -2491,6 +2643,8 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 	s->ck.catch_up_pages = STORE_CATCH_UP_PAGES;
 	if ((rc = open_checks(s, durability, errbuf, errlen)) < 0)
 		goto fail;
+	if (dropped)
+		wal_forget_dropped(s);
 	/* Pages the loop reads again (the conversations' index, the spool) stay in memory. */
 	sqlite3_exec(s->db, "PRAGMA cache_size=-32768", NULL, NULL, NULL);
 	if (query_one(s->db, "SELECT EXISTS(SELECT 1 FROM dead_letters)", &rows, NULL, 0) !=

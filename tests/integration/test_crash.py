@@ -13,7 +13,9 @@ flush interval, so there only a prefix of what was acknowledged is required.
 """
 import os
 import random
+import re
 import signal
+import struct
 import threading
 import time
 
@@ -278,4 +280,113 @@ def test_kill9_dynamodb(dynalite, ddb_table, daemon_factory):
         table_matches_daemon(dynalite, ddb_table, c, convs, timeout=30)
 
     crash_rounds(d, "process", rng, after_restart=in_dynamodb)
+    assert d.stop() == 0, d.log()
+
+
+def wal_frames(data):
+    """The frames of a WAL file's bytes: (offset, page number, commit?) each."""
+    page_size = struct.unpack(">I", data[8:12])[0]
+    page_size = 65536 if page_size == 1 else page_size
+    out, off = [], 32
+    while off + 24 + page_size <= len(data):
+        pgno, commit = struct.unpack(">II", data[off:off + 8])
+        out.append((off, pgno, commit != 0))
+        off += 24 + page_size
+    return out
+
+
+def test_damaged_wal_is_reported_and_kept(daemon_factory):
+    """A WAL whose frame was damaged after it was written (a bit flipped in a page, between
+    a kill -9 and the restart): SQLite's recovery keeps the commits before that frame and
+    drops the later ones without a word. convod says so as it starts, an error naming the
+    frame and the commits dropped, and keeps a copy of the file as it was beside it. A
+    restart on an intact WAL says nothing and copies nothing. A frame of the last commit
+    alone not as written is what a power loss during that commit's write leaves: a warning,
+    and no copy."""
+    d = daemon_factory(["--durability", "machine"])
+    c = d.connect()
+    n = 30
+    for i in range(n):  # one at a time: a commit each
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "w",
+              "contents": "turn %d" % i})
+    d.stop(signal.SIGKILL)
+    wal = os.path.join(d.state_dir, "convod.db-wal")
+
+    # The control: an intact WAL.
+    d.start()
+    assert len(d.connect().ok({"op": "get_messages", "conversation": "w"})["messages"]) == n
+    assert "is damaged" not in d.log()
+    assert not [f for f in os.listdir(d.state_dir) if ".damaged-" in f]
+    c = d.connect()
+    for i in range(n, 2 * n):
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "w",
+              "contents": "turn %d" % i})
+    d.stop(signal.SIGKILL)
+
+    with open(wal, "rb") as f:
+        data = bytearray(f.read())
+    frames = wal_frames(data)
+    commits = [j for j, (_, _, commit) in enumerate(frames, 1) if commit]
+    assert len(commits) >= n, (len(frames), commits)
+    # A frame halfway through the commits of the second run's adds: a byte of its page.
+    bad = commits[len(commits) - n // 2 - 1] + 1
+    later = [j for j in commits if j > bad]
+    assert later
+    off = frames[bad - 1][0]
+    data[off + 24 + 100] ^= 0x01
+    with open(wal, "wb") as f:
+        f.write(data)
+
+    d.start()
+    log = d.log()
+    m = re.search(r"convod\.db-wal is damaged: SQLite's recovery stops at frame (\d+) of (\d+),"
+                  r" keeps the (\d+) commits before it and drops (\d+) later ones \(up to "
+                  r"frame (\d+)\) whose frames are intact", log)
+    assert m, log
+    assert [int(x) for x in m.groups()] == [bad, len(frames), len([j for j in commits
+                                                                    if j < bad]),
+                                            len(later), later[-1]], (m.group(0), bad)
+    copies = [f for f in os.listdir(d.state_dir) if f.startswith("convod.db-wal.damaged-")]
+    assert len(copies) == 1, os.listdir(d.state_dir)
+    assert ("a copy of %s as it was is %s (" % (wal, os.path.join(d.state_dir, copies[0]))
+            in log), log
+    with open(os.path.join(d.state_dir, copies[0]), "rb") as f:
+        assert f.read() == bytes(data)
+    # The frames dropped are gone from the WAL, so that they cannot show again.
+    assert "after that recovery, the WAL was checkpointed" in log, log
+    # The daemon goes on with what recovery kept: a prefix of the conversation, all of the
+    # first run's turns at least, and it takes new ones.
+    c = d.connect()
+    msgs = c.ok({"op": "get_messages", "conversation": "w"})["messages"]
+    texts = [m["message"]["contents"][0] for m in msgs]
+    assert n <= len(texts) < 2 * n, texts
+    assert texts == ["turn %d" % i for i in range(len(texts))], texts
+    for i in range(len(texts), len(texts) + 5):  # the last one long: frames of its own
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "w",
+              "contents": "turn %d" % i + (" " + "x" * 12000 if i == len(texts) + 4 else "")})
+    kept = len(texts) + 5
+    d.stop(signal.SIGKILL)
+
+    # A frame of the last commit alone, as a power loss while it was written leaves it: a
+    # warning, that commit dropped, no copy.
+    with open(wal, "rb") as f:
+        data = bytearray(f.read())
+    frames = wal_frames(data)
+    commits = [j for j, (_, _, commit) in enumerate(frames, 1) if commit]
+    last = commits[-1]
+    assert last == len(frames) and last - commits[-2] >= 2, (len(frames), commits[-3:])
+    data[frames[commits[-2]][0] + 24 + 100] ^= 0x01  # the last commit's first frame
+    with open(wal, "wb") as f:
+        f.write(data)
+    before = len(d.log())
+    d.start()
+    log = d.log()[before:]
+    assert ("convod.db-wal: frame %d is not as it was written, and SQLite's recovery drops "
+            "the last commit of the file (frame %d), which it belongs to" %
+            (commits[-2] + 1, last)) in log, log
+    assert "is damaged" not in log and "after that recovery, the WAL was checkpointed" in log
+    assert len([f for f in os.listdir(d.state_dir) if ".damaged-" in f]) == 1
+    msgs = d.connect().ok({"op": "get_messages", "conversation": "w"})["messages"]
+    assert [m["message"]["contents"][0] for m in msgs] == ["turn %d" % i
+                                                           for i in range(kept - 1)]
     assert d.stop() == 0, d.log()

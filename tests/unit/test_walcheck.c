@@ -1,0 +1,361 @@
+/* Unit tests for daemon/walcheck, on WAL files SQLite wrote (a copy taken while the database
+ * is open, as a crash leaves it), then altered: what walcheck says SQLite's recovery keeps
+ * is what SQLite then reads from the same files (its row count), and the whole commits it
+ * says are dropped are those after the altered frame. */
+#include <fcntl.h>
+#include <sqlite3.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "test.h"
+#include "walcheck.h"
+
+#define ROWS 20
+#define VALUE_BYTES 700 /* a frame or two a row */
+
+static char top[160];
+
+struct bytes {
+	unsigned char *p;
+	size_t n;
+};
+
+static int read_file(const char *path, struct bytes *b)
+{
+	struct stat st;
+	int fd = open(path, O_RDONLY);
+
+	b->p = NULL;
+	b->n = 0;
+	if (fd < 0 || fstat(fd, &st) < 0 || !(b->p = malloc((size_t)st.st_size + 1)) ||
+	    read(fd, b->p, (size_t)st.st_size) != st.st_size) {
+		if (fd >= 0)
+			close(fd);
+		return -1;
+	}
+	b->n = (size_t)st.st_size;
+	close(fd);
+	return 0;
+}
+
+static int write_file(const char *path, const unsigned char *p, size_t n)
+{
+	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+	bool ok = fd >= 0 && write(fd, p, n) == (ssize_t)n;
+
+	if (fd >= 0)
+		close(fd);
+	return ok ? 0 : -1;
+}
+
+static uint32_t be32(const unsigned char *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+/* A database in dir/t.db, WAL mode, no automatic checkpoint, table t. */
+static sqlite3 *open_db(const char *name)
+{
+	char path[320];
+	sqlite3 *db = NULL;
+
+	snprintf(path, sizeof(path), "%s/%s", top, name);
+	if (sqlite3_open(path, &db) != SQLITE_OK ||
+	    sqlite3_exec(db,
+	                 "PRAGMA journal_mode=WAL; PRAGMA wal_autocheckpoint=0;"
+	                 " CREATE TABLE IF NOT EXISTS t(k INTEGER PRIMARY KEY, v BLOB NOT NULL);",
+	                 NULL, NULL, NULL) != SQLITE_OK) {
+		fprintf(stderr, "open %s: %s\n", path, db ? sqlite3_errmsg(db) : "?");
+		sqlite3_close(db);
+		return NULL;
+	}
+	return db;
+}
+
+/* Rows [from, to), each its own commit. */
+static bool put_rows(sqlite3 *db, int from, int to)
+{
+	bool ok = true;
+
+	for (int k = from; ok && k < to; k++) {
+		char sql[128];
+		snprintf(sql, sizeof(sql), "INSERT INTO t VALUES(%d, randomblob(%d))", k,
+		         VALUE_BYTES);
+		ok = sqlite3_exec(db, sql, NULL, NULL, NULL) == SQLITE_OK;
+	}
+	return ok;
+}
+
+/* The rows SQLite reads from db + wal written under name/ (-1: no table t at all). */
+static int64_t rows_read(const char *name, const struct bytes *db, const struct bytes *wal)
+{
+	char dir[256], path[320];
+	sqlite3 *c = NULL;
+	sqlite3_stmt *st = NULL;
+	int64_t rows = -1;
+
+	snprintf(dir, sizeof(dir), "%s/%s", top, name);
+	mkdir(dir, 0700);
+	snprintf(path, sizeof(path), "%s/t.db", dir);
+	if (write_file(path, db->p, db->n) < 0)
+		return -2;
+	snprintf(path, sizeof(path), "%s/t.db-wal", dir);
+	if (write_file(path, wal->p, wal->n) < 0)
+		return -2;
+	snprintf(path, sizeof(path), "%s/t.db", dir);
+	if (sqlite3_open(path, &c) == SQLITE_OK &&
+	    sqlite3_prepare_v2(c, "SELECT count(*) FROM t", -1, &st, NULL) == SQLITE_OK &&
+	    sqlite3_step(st) == SQLITE_ROW)
+		rows = sqlite3_column_int64(st, 0);
+	sqlite3_finalize(st);
+	sqlite3_close(c);
+	return rows;
+}
+
+static int scan(const char *name, const struct bytes *wal, struct walcheck *w)
+{
+	char path[320];
+	int fd, rc;
+
+	snprintf(path, sizeof(path), "%s/%s.wal", top, name);
+	if (write_file(path, wal->p, wal->n) < 0 || (fd = open(path, O_RDONLY)) < 0)
+		return -1;
+	rc = walcheck_scan(fd, w);
+	close(fd);
+	return rc;
+}
+
+static size_t frame_size(const struct bytes *wal)
+{
+	return 24 + (size_t)be32(wal->p + 8);
+}
+
+static bool is_commit(const struct bytes *wal, int64_t j)
+{
+	return be32(wal->p + 32 + (size_t)(j - 1) * frame_size(wal) + 4) != 0;
+}
+
+/* Commit frames in (from, to]. */
+static int64_t commits_in(const struct bytes *wal, int64_t from, int64_t to)
+{
+	int64_t n = 0;
+
+	for (int64_t j = from + 1; j <= to; j++)
+		n += is_commit(wal, j);
+	return n;
+}
+
+/* The copy with byte `at` of frame j (or of the header when j is 0) changed. */
+static struct bytes altered(const struct bytes *wal, int64_t j, size_t at)
+{
+	struct bytes b = {malloc(wal->n), wal->n};
+
+	memcpy(b.p, wal->p, wal->n);
+	b.p[(j ? 32 + (size_t)(j - 1) * frame_size(wal) : 0) + at] ^= 0x40;
+	return b;
+}
+
+static void test_intact_and_damaged(void)
+{
+	char path[320];
+	struct bytes db, wal;
+	struct walcheck w;
+	int64_t frames, commits;
+	sqlite3 *live = open_db("live.db");
+
+	CHECK(live && put_rows(live, 0, ROWS));
+	snprintf(path, sizeof(path), "%s/live.db", top);
+	CHECK(read_file(path, &db) == 0);
+	snprintf(path, sizeof(path), "%s/live.db-wal", top);
+	CHECK(read_file(path, &wal) == 0);
+	if (!wal.p || wal.n < 32) {
+		sqlite3_close(live);
+		return;
+	}
+	frames = (int64_t)((wal.n - 32) / frame_size(&wal));
+	commits = commits_in(&wal, 0, frames);
+	CHECK(commits == ROWS + 1); /* the CREATE TABLE, then one a row */
+
+	/* As written: everything kept, nothing dropped. */
+	CHECK(scan("intact", &wal, &w) == 0);
+	CHECK(w.header_ok);
+	CHECK(w.page_size == 4096);
+	CHECK(w.frames == frames);
+	CHECK(w.kept_frames == frames);
+	CHECK(w.kept_commits == commits);
+	CHECK(w.first_bad == 0 && w.lost_commits == 0 && w.last_lost == 0);
+	CHECK(w.last_own == frames);
+	CHECK(rows_read("intact", &db, &wal) == ROWS);
+
+	/* A byte of a page in the middle: the commits after it are whole, and lost. */
+	for (int64_t j = frames / 2; j <= frames / 2 + 1; j++) {
+		struct bytes bad = altered(&wal, j, 24 + 1000);
+		int64_t kept = commits_in(&wal, 0, j - 1), lost = commits_in(&wal, j, frames);
+		CHECK(scan("page", &bad, &w) == 0);
+		CHECK(w.header_ok);
+		CHECK(w.kept_commits == kept);
+		CHECK(w.first_bad == j);
+		CHECK(w.lost_commits == lost && lost > 0);
+		CHECK(w.last_lost == frames && w.last_own == frames);
+		/* What SQLite reads: the rows of the commits kept (the first made the table). */
+		CHECK(rows_read("page", &db, &bad) == kept - 1);
+		free(bad.p);
+	}
+
+	/* A frame's salt: the same. */
+	{
+		struct bytes bad = altered(&wal, 5, 9);
+		CHECK(scan("salt", &bad, &w) == 0);
+		CHECK(w.first_bad == 5 && w.kept_commits == commits_in(&wal, 0, 4));
+		CHECK(w.lost_commits == commits_in(&wal, 5, frames));
+		CHECK(rows_read("salt", &db, &bad) == commits_in(&wal, 0, 4) - 1);
+		free(bad.p);
+	}
+
+	/* The last commit frame: nothing whole after it, nothing reported. */
+	{
+		struct bytes bad = altered(&wal, frames, 24 + 17);
+		CHECK(scan("last", &bad, &w) == 0);
+		CHECK(w.kept_commits == commits - 1 && w.first_bad == 0 && w.lost_commits == 0);
+		CHECK(rows_read("last", &db, &bad) == ROWS - 1);
+		free(bad.p);
+	}
+
+	/* The header's checkpoint sequence: SQLite drops the whole log, every commit. */
+	{
+		struct bytes bad = altered(&wal, 0, 13);
+		CHECK(scan("header", &bad, &w) == 0);
+		CHECK(!w.header_ok && w.kept_commits == 0);
+		CHECK(w.first_bad == 1 && w.lost_commits == commits);
+		CHECK(rows_read("header", &db, &bad) == -1); /* the table is in the WAL */
+		free(bad.p);
+	}
+
+	/* Cut in the middle of the last frame, as a crash during the write: a torn end. */
+	{
+		struct bytes cut = {wal.p, wal.n - 100};
+		CHECK(scan("cut", &cut, &w) == 0);
+		CHECK(w.frames == frames - 1);
+		CHECK(w.kept_commits == commits_in(&wal, 0, frames - 1));
+		CHECK(w.first_bad == 0 && w.lost_commits == 0);
+		CHECK(rows_read("cut", &db, &cut) == w.kept_commits - 1);
+	}
+
+	/* Shorter than a header, and empty. */
+	{
+		struct bytes part = {wal.p, 20};
+		CHECK(scan("short", &part, &w) == 0);
+		CHECK(!w.header_ok && w.frames == 0 && w.lost_commits == 0 && w.first_bad == 0);
+		part.n = 0;
+		CHECK(scan("empty", &part, &w) == 0);
+		CHECK(!w.header_ok && w.frames == 0 && w.lost_commits == 0);
+	}
+
+	/* Restarted: after a checkpoint, new commits are written from the start with new
+	 * salts, over the old frames that remain after them. Those end the log normally. */
+	{
+		struct bytes db2, wal2;
+		int64_t frames2, end2;
+		CHECK(sqlite3_exec(live, "PRAGMA wal_checkpoint(RESTART)", NULL, NULL, NULL) ==
+		      SQLITE_OK);
+		CHECK(put_rows(live, ROWS, ROWS + 2));
+		snprintf(path, sizeof(path), "%s/live.db", top);
+		CHECK(read_file(path, &db2) == 0);
+		snprintf(path, sizeof(path), "%s/live.db-wal", top);
+		CHECK(read_file(path, &wal2) == 0);
+		CHECK(wal2.n == wal.n); /* not truncated: the old frames are there */
+		CHECK(be32(wal2.p + 16) != be32(wal.p + 16));
+		frames2 = (int64_t)((wal2.n - 32) / frame_size(&wal2));
+		CHECK(scan("restarted", &wal2, &w) == 0);
+		CHECK(w.header_ok && w.frames == frames2);
+		CHECK(w.kept_commits == 2 && w.kept_frames < frames2);
+		end2 = w.kept_frames;
+		CHECK(w.first_bad == 0 && w.lost_commits == 0);
+		CHECK(rows_read("restarted", &db2, &wal2) == ROWS + 2);
+		/* The new first commit's first frame altered: the second is lost, the old
+		 * frames after it are not counted. */
+		{
+			struct bytes bad = altered(&wal2, 1, 24 + 50);
+			CHECK(scan("restarted-bad", &bad, &w) == 0);
+			CHECK(w.kept_commits == 0 && w.first_bad == 1);
+			CHECK(w.lost_commits == commits_in(&wal2, 1, end2) && w.lost_commits >= 1);
+			CHECK(w.last_lost == end2);
+			CHECK(rows_read("restarted-bad", &db2, &bad) == ROWS);
+			free(bad.p);
+		}
+		free(db2.p);
+		free(wal2.p);
+	}
+	free(db.p);
+	free(wal.p);
+	sqlite3_close(live);
+}
+
+/* The last commit of a file, of several frames, one of which is not as written (a power
+ * loss while the commit was written): that commit alone is dropped, and it ends the frames
+ * of this WAL (last_lost == last_own), which tells it from damage before it. */
+static void test_last_commit_cut(void)
+{
+	char path[320];
+	struct bytes db, wal;
+	struct walcheck w;
+	int64_t frames, start = 0;
+	sqlite3 *live = open_db("tail.db");
+
+	CHECK(live && put_rows(live, 0, 3));
+	CHECK(sqlite3_exec(live, "BEGIN", NULL, NULL, NULL) == SQLITE_OK);
+	CHECK(put_rows(live, 3, 13));
+	CHECK(sqlite3_exec(live, "COMMIT", NULL, NULL, NULL) == SQLITE_OK);
+	snprintf(path, sizeof(path), "%s/tail.db", top);
+	CHECK(read_file(path, &db) == 0);
+	snprintf(path, sizeof(path), "%s/tail.db-wal", top);
+	CHECK(read_file(path, &wal) == 0);
+	if (!wal.p || wal.n < 32) {
+		sqlite3_close(live);
+		return;
+	}
+	frames = (int64_t)((wal.n - 32) / frame_size(&wal));
+	CHECK(is_commit(&wal, frames));
+	for (int64_t j = 1; j < frames; j++)
+		if (is_commit(&wal, j))
+			start = j + 1; /* the last commit's first frame */
+	CHECK(start > 1 && frames - start >= 2);
+	{
+		struct bytes bad = altered(&wal, start, 24 + 300);
+		CHECK(scan("tail", &bad, &w) == 0);
+		CHECK(w.header_ok && w.first_bad == start);
+		CHECK(w.kept_commits == 4); /* the table, then three rows */
+		CHECK(w.lost_commits == 1 && w.last_lost == frames && w.last_own == frames);
+		CHECK(rows_read("tail", &db, &bad) == 3);
+		free(bad.p);
+	}
+	free(db.p);
+	free(wal.p);
+	sqlite3_close(live);
+}
+
+static void remove_tree(void)
+{
+	char cmd[200];
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", top);
+	if (system(cmd) != 0)
+		fprintf(stderr, "cannot remove %s\n", top);
+}
+
+int main(void)
+{
+	const char *tmp = getenv("TMPDIR");
+
+	snprintf(top, sizeof(top), "%s/test_walcheck.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+	if (!mkdtemp(top)) {
+		perror("mkdtemp");
+		return 1;
+	}
+	test_intact_and_damaged();
+	test_last_commit_cut();
+	remove_tree();
+	return test_done("walcheck");
+}
