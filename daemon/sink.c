@@ -874,6 +874,12 @@ static struct repair *repair_new(struct sink *s, const char *conv, size_t conv_l
 	return r;
 }
 
+/* Whether the nth of a repeated warning is logged: the 1st, 2nd, 4th, 8th, ... */
+static bool thinned(uint64_t n)
+{
+	return (n & (n - 1)) == 0;
+}
+
 /* The messages of b, whose call may still be applied, are looked at again later. */
 static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 {
@@ -885,7 +891,7 @@ static void repair_add(struct sink *s, const struct batch *b, uint64_t now)
 		if (s->repairs.n >= REPAIR_MAX) {
 			uint64_t n = ++s->repairs_overflow;
 			s->repairs_dropped++;
-			if ((n & (n - 1)) == 0) /* the 1st, 2nd, 4th, ... */
+			if (thinned(n))
 				log_msg(LOG_WARN, SUBSYS,
 				        "%d writes without a clear answer wait to be looked at "
 				        "again; later ones are not (%" PRIu64 " let go so far)",
@@ -931,7 +937,7 @@ static void warn_if_damaged(struct sink *s, const struct ddbclient_result *res)
 	if (!res->damaged)
 		return;
 	s->answers_damaged++;
-	if ((s->answers_damaged & (s->answers_damaged - 1)) == 0)
+	if (thinned(s->answers_damaged))
 		log_msg(LOG_WARN, SUBSYS,
 		        "%s: %s (request id %s; %" PRIu64 " such answer%s so far); "
 		        "trying again",
@@ -1113,7 +1119,7 @@ static void batch_retry(struct sink *s, struct batch *b, const char *why, uint64
 	if (s->fail_streak < 64)
 		s->fail_streak++;
 	s->gate_ms = now + backoff_ms(s, s->fail_streak);
-	if ((s->fail_streak & (s->fail_streak - 1)) == 0) /* 1, 2, 4, 8, ... in a row */
+	if (thinned(s->fail_streak)) /* 1, 2, 4, 8, ... in a row */
 		log_msg(LOG_WARN, SUBSYS,
 		        "%s (%u failed attempt%s in a row); %zu item%s wait%s to be "
 		        "sent again",
@@ -2214,6 +2220,7 @@ static void on_client_closed(void *arg)
 static void on_close_timer(uv_timer_t *t)
 {
 	struct sink *s = t->data;
+	size_t look;
 
 	if (s->finishing)
 		return;
@@ -2227,12 +2234,11 @@ static void on_close_timer(uv_timer_t *t)
 		        "stopping with %zu write%s not confirmed; they stay in the spool for the "
 		        "next start",
 		        s->depth, s->depth == 1 ? "" : "s");
-	if (s->nrepairs + s->repairs_inflight > 0)
+	if ((look = s->nrepairs + s->repairs_inflight) > 0)
 		log_msg(LOG_INFO, SUBSYS,
 		        "stopping with %zu message%s to look at again after a write without an "
 		        "answer; the next start looks at them",
-		        s->nrepairs + s->repairs_inflight,
-		        s->nrepairs + s->repairs_inflight == 1 ? "" : "s");
+		        look, look == 1 ? "" : "s");
 	uv_timer_stop(&s->timer);
 	/* In-flight calls, batches and jobs alike, end canceled inside ddbclient_close. */
 	if (s->client)
