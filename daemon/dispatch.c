@@ -1069,7 +1069,7 @@ static json_t *store_stats_json(struct dispatch *d)
 	/* O, not o: whether a failed json_pack frees what o hands it depends on the version. */
 	res = json_pack(
 	    "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O, s:O, s:I, s:I, s:I, s:I, s:I, "
-	    "s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O}",
+	    "s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O}",
 	    "durability", store_durability_str(d->cfg->durability), "commits",
 	    (json_int_t)st.commits, "turns", (json_int_t)st.turns, "inline_commits",
 	    (json_int_t)st.inline_commits, "records", (json_int_t)st.records, "commit_ns",
@@ -1080,8 +1080,9 @@ static json_t *store_stats_json(struct dispatch *d)
 	    (json_int_t)st.checkpoint_ns, "wal_writebacks", (json_int_t)st.wal_writebacks,
 	    "wal_pages", (json_int_t)st.wal_pages, "wal_syncs", (json_int_t)st.wal_syncs,
 	    "db_syncs", (json_int_t)st.db_syncs, "commits_spoiled", (json_int_t)st.commits_spoiled,
-	    "spoils_failed", (json_int_t)st.spoils_failed, "db_bytes", (json_int_t)st.db_bytes,
-	    "wal_bytes", (json_int_t)st.wal_bytes, "retry", retry);
+	    "spoils_failed", (json_int_t)st.spoils_failed, "wal_commits_dropped",
+	    (json_int_t)st.wal_commits_dropped, "db_bytes", (json_int_t)st.db_bytes, "wal_bytes",
+	    (json_int_t)st.wal_bytes, "retry", retry);
 	json_decref(retry);
 	json_decref(cohort);
 	json_decref(fold);

@@ -428,6 +428,7 @@ struct store {
 	bool no_idle_fold;     /* a test turned the writer's fold between jobs off (qmu) */
 	int checkpoint_pages;  /* STORE_CHECKPOINT_PAGES, or what a test set */
 	int wal_hard_pages;    /* STORE_WAL_HARD_PAGES, or what a test set */
+	uint64_t wal_commits_dropped; /* wal_check's, at open */
 	int writeback_pages;   /* STORE_WAL_WRITEBACK_PAGES, or what a test set (0: never) */
 	int writeback_at;      /* the WAL's size when wal_hook last asked for its writeback */
 	enum durability durability;
@@ -1171,6 +1172,7 @@ void store_stats(struct store *s, struct store_stats *o)
 	o->db_syncs = vc.other_syncs - s->syncs_at_open.other_syncs;
 	o->commits_spoiled = vc.spoiled - s->syncs_at_open.spoiled;
 	o->spoils_failed = vc.spoil_failed - s->syncs_at_open.spoil_failed;
+	o->wal_commits_dropped = s->wal_commits_dropped;
 	o->db_bytes = file_bytes(s->path, "");
 	o->wal_bytes = file_bytes(s->path, "-wal");
 }
@@ -2491,6 +2493,7 @@ static bool wal_check(struct store *s)
 		close(fd);
 		return false;
 	}
+	s->wal_commits_dropped = (uint64_t)w.lost_commits;
 	if (w.header_ok && w.lost_commits == 1 && w.last_lost == w.last_own) {
 		log_msg(LOG_WARN, "store",
 		        "%s: frame %" PRId64 " is not as it was written, and SQLite's recovery "

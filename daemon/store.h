@@ -134,6 +134,8 @@ struct store_stats {
 	                           * the WAL so that a crash cannot bring them back (walvfs.h) */
 	uint64_t spoils_failed;   /* and those whose spoiling failed too (logged: a crash before
 	                           * the next commit would bring them back) */
+	uint64_t wal_commits_dropped; /* at this start: intact commits SQLite's recovery dropped
+	                               * after a WAL frame not as written (walcheck.h; logged) */
 	uint64_t cohort_waits;   /* durability machine: times the writer waited after a commit
 	                          * for the requests its answers released (cohort_wait) */
 	uint64_t cohort_short;   /* of them, those that ended at the deadline short of it */

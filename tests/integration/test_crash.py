@@ -315,6 +315,7 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
     # The control: an intact WAL.
     d.start()
     assert len(d.connect().ok({"op": "get_messages", "conversation": "w"})["messages"]) == n
+    assert d.connect().ok({"op": "stats"})["store"]["wal_commits_dropped"] == 0
     assert "is damaged" not in d.log()
     assert not [f for f in os.listdir(d.state_dir) if ".damaged-" in f]
     c = d.connect()
@@ -357,6 +358,7 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
     # The daemon goes on with what recovery kept: a prefix of the conversation, all of the
     # first run's turns at least, and it takes new ones.
     c = d.connect()
+    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == len(later)
     msgs = c.ok({"op": "get_messages", "conversation": "w"})["messages"]
     texts = [m["message"]["contents"][0] for m in msgs]
     assert n <= len(texts) < 2 * n, texts
@@ -386,7 +388,9 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
             (commits[-2] + 1, last)) in log, log
     assert "is damaged" not in log and "after that recovery, the WAL was checkpointed" in log
     assert len([f for f in os.listdir(d.state_dir) if ".damaged-" in f]) == 1
-    msgs = d.connect().ok({"op": "get_messages", "conversation": "w"})["messages"]
+    c = d.connect()
+    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == 1
+    msgs = c.ok({"op": "get_messages", "conversation": "w"})["messages"]
     assert [m["message"]["contents"][0] for m in msgs] == ["turn %d" % i
                                                            for i in range(kept - 1)]
     assert d.stop() == 0, d.log()
