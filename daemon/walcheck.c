@@ -72,7 +72,9 @@ int walcheck_scan(int fd, struct walcheck *out)
 		return -errno;
 	magic = be32(h);
 	big = magic & 1;
-	out->page_size = be32(h + 8) == 1 ? 65536 : be32(h + 8);
+	/* As SQLite's recovery reads it: 65536 is written as such here (the database
+	 * header's 1 for 65536 is not taken). */
+	out->page_size = be32(h + 8);
 	if (out->page_size < 512 || out->page_size > 65536 ||
 	    (out->page_size & (out->page_size - 1))) {
 		out->page_size = 0;

@@ -286,7 +286,6 @@ def test_kill9_dynamodb(dynalite, ddb_table, daemon_factory):
 def wal_frames(data):
     """The frames of a WAL file's bytes: (offset, page number, commit?) each."""
     page_size = struct.unpack(">I", data[8:12])[0]
-    page_size = 65536 if page_size == 1 else page_size
     out, off = [], 32
     while off + 24 + page_size <= len(data):
         pgno, commit = struct.unpack(">II", data[off:off + 8])

@@ -234,6 +234,18 @@ static void test_intact_and_damaged(void)
 		free(bad.p);
 	}
 
+	/* A page size of 1 in the header: no WAL page size (the database header's 1 for 65536
+	 * is not the WAL's), so SQLite ignores the file, and walcheck reads no frame. */
+	{
+		struct bytes bad = altered(&wal, 0, 0);
+		bad.p[0] = wal.p[0];
+		memcpy(bad.p + 8, "\0\0\0\1", 4);
+		CHECK(scan("size1", &bad, &w) == 0);
+		CHECK(!w.header_ok && w.page_size == 0 && w.frames == 0 && w.lost_commits == 0);
+		CHECK(rows_read("size1", &db, &bad) == -1);
+		free(bad.p);
+	}
+
 	/* Cut in the middle of the last frame, as a crash during the write: a torn end. */
 	{
 		struct bytes cut = {wal.p, wal.n - 100};
