@@ -2412,14 +2412,19 @@ void store_failure_ack(struct store *s)
 
 /* ---- open and close ---- */
 
-/* Copies the file open on fd to path (new), synced with its directory. 0 or -errno. */
+/* Copies the file open on fd to path, synced with its directory: written as path.part,
+ * then renamed, so that path is whole whenever it is there. 0, -EEXIST when path is there
+ * already, or -errno. */
 static int copy_synced(int fd, const char *path)
 {
-	char buf[65536], dir[PATH_MAX + 64], *slash;
-	int out = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600), dfd, rc = 0;
+	char buf[65536], part[PATH_MAX + 80], dir[PATH_MAX + 80], *slash;
+	int out, dfd, rc = 0;
 	off_t off = 0;
 
-	if (out < 0)
+	if (access(path, F_OK) == 0)
+		return -EEXIST;
+	snprintf(part, sizeof(part), "%s.part", path);
+	if ((out = open(part, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)) < 0)
 		return -errno;
 	for (;;) {
 		ssize_t n = pread(fd, buf, sizeof(buf), off), w = 0;
@@ -2447,8 +2452,10 @@ static int copy_synced(int fd, const char *path)
 		rc = -errno;
 	if (close(out) < 0 && rc == 0)
 		rc = -errno;
+	if (rc == 0 && rename(part, path) < 0)
+		rc = -errno;
 	if (rc < 0) {
-		unlink(path);
+		unlink(part);
 		return rc;
 	}
 	snprintf(dir, sizeof(dir), "%s", path);
@@ -2461,22 +2468,39 @@ static int copy_synced(int fd, const char *path)
 	return 0;
 }
 
+/* The page size convod.db's header names (its bytes 16-17, 1 for 65536), or 0. */
+static uint32_t db_page_size(const char *path)
+{
+	unsigned char b[2];
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	uint32_t n = 0;
+
+	if (fd >= 0 && pread(fd, b, 2, 16) == 2)
+		n = (uint32_t)b[0] << 8 | b[1];
+	if (fd >= 0)
+		close(fd);
+	return n == 1 ? 65536 : n;
+}
+
 /* Before SQLite's recovery reads the WAL (walcheck.h): intact commits beyond the point
  * where that recovery stops, which it drops without a word (and the next commit writes
- * over). Only the last commit of the file, with a frame of its own not as written, is what
- * a power loss during its write leaves (the disk kept its commit frame and not an earlier
- * one): a warning. Anything more is a file damaged after it was written, or a power loss
- * that kept later writes of several commits and lost earlier ones (durability process
- * does not sync each commit): an error, and a copy of the file as it was is kept beside it
- * (convod.db-wal.damaged-TIME), for whoever wants those commits back. Either way the
- * daemon goes on with what recovery keeps. Returns whether recovery drops whole commits:
- * the frames left after those it keeps must then go (wal_forget_dropped). */
+ * over). The last commit of the file alone, with a frame of its own not as written and no
+ * other commit broken before it, is what a power loss during its write leaves (the disk
+ * kept its commit frame and not an earlier one): a warning. Anything more is a file
+ * damaged after it was written, or a power loss that kept later writes of several commits
+ * and lost earlier ones (at process no commit is synced; at machine the fold's idle steps
+ * are not, nor is the commit under way, and none of those was acknowledged): an error, and
+ * a copy of the file as it was is kept beside it, for whoever wants those commits back.
+ * The copy is named after the WAL's last change and size
+ * (convod.db-wal.damaged-YYYYMMDDTHHMMSSZ-BYTES), so that starts that fail again on the
+ * same file keep it once. The daemon goes on with what recovery keeps. Returns whether the
+ * frames recovery drops may go (wal_forget_dropped): not when the copy failed. */
 static bool wal_check(struct store *s)
 {
 	char wal[PATH_MAX], copy[PATH_MAX + 64], when[32];
 	struct walcheck w;
+	struct stat st;
 	struct tm tm;
-	time_t now = time(NULL);
 	int fd, rc;
 
 	if ((size_t)snprintf(wal, sizeof(wal), "%s-wal", s->path) >= sizeof(wal))
@@ -2487,14 +2511,14 @@ static bool wal_check(struct store *s)
 			        strerror(errno));
 		return false;
 	}
-	if ((rc = walcheck_scan(fd, &w)) < 0)
+	if ((rc = walcheck_scan(fd, db_page_size(s->path), &w)) < 0)
 		log_msg(LOG_WARN, "store", "cannot read %s to check it: %s", wal, strerror(-rc));
 	if (rc < 0 || !w.lost_commits) {
 		close(fd);
 		return false;
 	}
 	s->wal_commits_dropped = (uint64_t)w.lost_commits;
-	if (w.header_ok && w.lost_commits == 1 && w.last_lost == w.last_own) {
+	if (w.lost_commits == 1 && w.last_lost == w.last_own && !w.broken_commits) {
 		log_msg(LOG_WARN, "store",
 		        "%s: frame %" PRId64 " is not as it was written, and SQLite's recovery "
 		        "drops the last commit of the file (frame %" PRId64
@@ -2504,32 +2528,43 @@ static bool wal_check(struct store *s)
 		close(fd);
 		return true;
 	}
-	gmtime_r(&now, &tm);
-	strftime(when, sizeof(when), "%Y%m%dT%H%M%SZ", &tm);
-	snprintf(copy, sizeof(copy), "%s.damaged-%s", wal, when);
-	rc = copy_synced(fd, copy);
-	close(fd);
 	if (w.header_ok)
 		log_msg(LOG_ERROR, "store",
-		        "%s is damaged: SQLite's recovery stops at frame %" PRId64 " of %" PRId64
+		        "%s: SQLite's recovery stops at frame %" PRId64 " of %" PRId64
 		        ", keeps the %" PRId64 " commits before it and drops %" PRId64
 		        " later ones (up to frame %" PRId64 ") whose frames are intact",
 		        wal, w.first_bad, w.frames, w.kept_commits, w.lost_commits, w.last_lost);
 	else
 		log_msg(LOG_ERROR, "store",
-		        "%s is damaged: its header is, so SQLite's recovery ignores the whole file "
-		        "and drops %" PRId64 " commits (up to frame %" PRId64
-		        ") whose frames are intact",
+		        "%s: its header is not as SQLite wrote it, so SQLite's recovery ignores "
+		        "the whole file (or refuses it), and drops %" PRId64 " commits (up to "
+		        "frame %" PRId64 ") whose frames are intact",
 		        wal, w.lost_commits, w.last_lost);
-	if (rc == 0)
-		log_msg(LOG_ERROR, "store",
-		        "a copy of %s as it was is %s (damaged after it was written, or a power "
-		        "loss kept later writes and lost earlier ones)",
-		        wal, copy);
-	else
-		log_msg(LOG_ERROR, "store", "cannot keep a copy of %s as %s: %s", wal, copy,
-		        strerror(-rc));
-	return true;
+	log_msg(LOG_ERROR, "store",
+	        "%s: the file was damaged after it was written, or a power loss kept later "
+	        "writes and lost earlier ones (at durability machine, only writes not "
+	        "acknowledged yet)",
+	        wal);
+	if (fstat(fd, &st) < 0) {
+		rc = -errno;
+	} else {
+		gmtime_r(&st.st_mtime, &tm);
+		strftime(when, sizeof(when), "%Y%m%dT%H%M%SZ", &tm);
+		snprintf(copy, sizeof(copy), "%s.damaged-%s-%lld", wal, when,
+		         (long long)st.st_size);
+		rc = copy_synced(fd, copy);
+	}
+	close(fd);
+	if (rc == 0 || rc == -EEXIST) {
+		log_msg(LOG_ERROR, "store", "a copy of %s as it was is %s%s", wal, copy,
+		        rc ? " (kept by an earlier start)" : "");
+		return true;
+	}
+	log_msg(LOG_ERROR, "store",
+	        "cannot keep a copy of %s: %s; the WAL stays as it is, its dropped frames with "
+	        "it, until the next commits write over them",
+	        wal, strerror(-rc));
+	return false;
 }
 
 /* After a recovery that dropped whole commits (wal_check): the frames after those it kept
@@ -2552,7 +2587,8 @@ static void wal_forget_dropped(struct store *s)
 	if (rc != SQLITE_OK || busy != 0)
 		log_msg(LOG_WARN, "store",
 		        "%s: cannot checkpoint and empty the WAL after its recovery dropped "
-		        "commits (%s): the frames it dropped are still in it",
+		        "commits (%s): the frames it dropped are still in it, and a crash "
+		        "before the next checkpoint would show them as dropped again",
 		        s->path, rc != SQLITE_OK ? sqlite3_errmsg(s->db) : "busy");
 	else
 		log_msg(LOG_INFO, "store",

@@ -315,7 +315,7 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
     d.start()
     assert len(d.connect().ok({"op": "get_messages", "conversation": "w"})["messages"]) == n
     assert d.connect().ok({"op": "stats"})["store"]["wal_commits_dropped"] == 0
-    assert "is damaged" not in d.log()
+    assert "SQLite's recovery" not in d.log()
     assert not [f for f in os.listdir(d.state_dir) if ".damaged-" in f]
     c = d.connect()
     for i in range(n, 2 * n):
@@ -339,21 +339,24 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
 
     d.start()
     log = d.log()
-    m = re.search(r"convod\.db-wal is damaged: SQLite's recovery stops at frame (\d+) of (\d+),"
+    m = re.search(r"convod\.db-wal: SQLite's recovery stops at frame (\d+) of (\d+),"
                   r" keeps the (\d+) commits before it and drops (\d+) later ones \(up to "
                   r"frame (\d+)\) whose frames are intact", log)
     assert m, log
     assert [int(x) for x in m.groups()] == [bad, len(frames), len([j for j in commits
                                                                     if j < bad]),
                                             len(later), later[-1]], (m.group(0), bad)
+    assert "the file was damaged after it was written, or a power loss" in log, log
+    # The copy: named after the WAL's last change and size, whole (no .part left).
     copies = [f for f in os.listdir(d.state_dir) if f.startswith("convod.db-wal.damaged-")]
-    assert len(copies) == 1, os.listdir(d.state_dir)
-    assert ("a copy of %s as it was is %s (" % (wal, os.path.join(d.state_dir, copies[0]))
+    assert len(copies) == 1 and copies[0].endswith("-%d" % len(data)), os.listdir(d.state_dir)
+    assert ("a copy of %s as it was is %s\n" % (wal, os.path.join(d.state_dir, copies[0]))
             in log), log
     with open(os.path.join(d.state_dir, copies[0]), "rb") as f:
         assert f.read() == bytes(data)
     # The frames dropped are gone from the WAL, so that they cannot show again.
     assert "after that recovery, the WAL was checkpointed" in log, log
+    assert os.path.getsize(wal) < len(data) // 2, os.path.getsize(wal)
     # The daemon goes on with what recovery kept: a prefix of the conversation, all of the
     # first run's turns at least, and it takes new ones.
     c = d.connect()
@@ -385,7 +388,8 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
     assert ("convod.db-wal: frame %d is not as it was written, and SQLite's recovery drops "
             "the last commit of the file (frame %d), which it belongs to" %
             (commits[-2] + 1, last)) in log, log
-    assert "is damaged" not in log and "after that recovery, the WAL was checkpointed" in log
+    assert "SQLite's recovery stops" not in log, log
+    assert "after that recovery, the WAL was checkpointed" in log, log
     assert len([f for f in os.listdir(d.state_dir) if ".damaged-" in f]) == 1
     c = d.connect()
     assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == 1
