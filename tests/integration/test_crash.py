@@ -397,3 +397,60 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
     assert [m["message"]["contents"][0] for m in msgs] == ["turn %d" % i
                                                            for i in range(kept - 1)]
     assert d.stop() == 0, d.log()
+
+
+def test_wal_refused_by_sqlite_is_copied_once(daemon_factory):
+    """A WAL header naming another format (its checksum right): SQLite refuses the store, and
+    the start fails (exit 1) after saying so and keeping a copy of the WAL; a start that
+    fails again on the same file keeps that copy, not a second one. The header put back,
+    the daemon starts with everything, saying nothing of its WAL."""
+    from test_config import run_convod
+    d = daemon_factory(["--durability", "machine"])
+    c = d.connect()
+    n = 10
+    for i in range(n):
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "v",
+              "contents": "turn %d" % i})
+    d.stop(signal.SIGKILL)
+    wal = os.path.join(d.state_dir, "convod.db-wal")
+    with open(wal, "rb") as f:
+        data = f.read()
+    assert struct.unpack(">II", data[:8]) == (0x377f0682, 3007000)  # little-endian sums
+    header = bytearray(data[:32])
+    header[4:8] = struct.pack(">I", 3007001)
+    s1 = s2 = 0
+    for k in range(0, 24, 8):
+        x0, x1 = struct.unpack("<II", header[k:k + 8])
+        s1 = (s1 + x0 + s2) & 0xffffffff
+        s2 = (s2 + x1 + s1) & 0xffffffff
+    header[24:32] = struct.pack(">II", s1, s2)
+    with open(wal, "r+b") as f:
+        f.write(header)
+    commits = sum(1 for _, _, commit in wal_frames(data) if commit)
+
+    args = ["--socket", d.socket, "--state-dir", d.state_dir, "--durability", "machine"]
+    rc, _, err = run_convod(args)
+    assert rc == 1, err
+    assert ("convod.db-wal: its header is not as SQLite wrote it, so SQLite's recovery "
+            "ignores the whole file (or refuses it), and drops %d commits" % commits) in err, err
+    copies = [f for f in os.listdir(d.state_dir) if f.startswith("convod.db-wal.damaged-")]
+    assert len(copies) == 1, os.listdir(d.state_dir)
+    assert "a copy of %s as it was is %s\n" % (wal, os.path.join(d.state_dir, copies[0])) in err
+    rc, _, err = run_convod(args)
+    assert rc == 1, err
+    assert "a copy of %s as it was is %s (kept by an earlier start)" % (
+        wal, os.path.join(d.state_dir, copies[0])) in err, err
+    assert [f for f in os.listdir(d.state_dir) if ".damaged-" in f] == copies
+    with open(os.path.join(d.state_dir, copies[0]), "rb") as f:
+        assert f.read()[32:] == data[32:]
+
+    with open(wal, "r+b") as f:
+        f.write(data[:32])
+    before = len(d.log())
+    d.start()
+    c = d.connect()
+    msgs = c.ok({"op": "get_messages", "conversation": "v"})["messages"]
+    assert len(msgs) == n
+    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == 0
+    assert "SQLite's recovery" not in d.log()[before:]
+    assert d.stop() == 0, d.log()
