@@ -89,6 +89,19 @@ static bool put_rows(sqlite3 *db, int from, int to)
 	return ok;
 }
 
+/* The bytes of name and name-wal as they are now, the database open (as a crash leaves
+ * them). Whether the WAL holds a header at least. */
+static bool snapshot(const char *name, struct bytes *db, struct bytes *wal)
+{
+	char path[320];
+
+	snprintf(path, sizeof(path), "%s/%s", top, name);
+	CHECK(read_file(path, db) == 0);
+	snprintf(path, sizeof(path), "%s/%s-wal", top, name);
+	CHECK(read_file(path, wal) == 0);
+	return wal->p && wal->n >= 32;
+}
+
 /* The rows SQLite reads from db + wal written under name/ (-1: no table t at all). */
 static int64_t rows_read(const char *name, const struct bytes *db, const struct bytes *wal)
 {
@@ -167,18 +180,13 @@ static struct bytes altered(const struct bytes *wal, int64_t j, size_t at)
 
 static void test_intact_and_damaged(void)
 {
-	char path[320];
 	struct bytes db, wal;
 	struct walcheck w;
 	int64_t frames, commits;
 	sqlite3 *live = open_db("live.db");
 
 	CHECK(live && put_rows(live, 0, ROWS));
-	snprintf(path, sizeof(path), "%s/live.db", top);
-	CHECK(read_file(path, &db) == 0);
-	snprintf(path, sizeof(path), "%s/live.db-wal", top);
-	CHECK(read_file(path, &wal) == 0);
-	if (!wal.p || wal.n < 32) {
+	if (!snapshot("live.db", &db, &wal)) {
 		sqlite3_close(live);
 		return;
 	}
@@ -326,10 +334,7 @@ static void test_intact_and_damaged(void)
 		CHECK(sqlite3_exec(live, "PRAGMA wal_checkpoint(RESTART)", NULL, NULL, NULL) ==
 		      SQLITE_OK);
 		CHECK(put_rows(live, ROWS, ROWS + 2));
-		snprintf(path, sizeof(path), "%s/live.db", top);
-		CHECK(read_file(path, &db2) == 0);
-		snprintf(path, sizeof(path), "%s/live.db-wal", top);
-		CHECK(read_file(path, &wal2) == 0);
+		CHECK(snapshot("live.db", &db2, &wal2));
 		CHECK(wal2.n == wal.n); /* not truncated: the old frames are there */
 		CHECK(be32(wal2.p + 16) != be32(wal.p + 16));
 		frames2 = (int64_t)((wal2.n - 32) / frame_size(&wal2));
@@ -363,7 +368,6 @@ static void test_intact_and_damaged(void)
  * of this WAL (last_lost == last_own), which tells it from damage before it. */
 static void test_last_commit_cut(void)
 {
-	char path[320];
 	struct bytes db, wal;
 	struct walcheck w;
 	int64_t frames, start = 0;
@@ -373,11 +377,7 @@ static void test_last_commit_cut(void)
 	CHECK(sqlite3_exec(live, "BEGIN", NULL, NULL, NULL) == SQLITE_OK);
 	CHECK(put_rows(live, 3, 13));
 	CHECK(sqlite3_exec(live, "COMMIT", NULL, NULL, NULL) == SQLITE_OK);
-	snprintf(path, sizeof(path), "%s/tail.db", top);
-	CHECK(read_file(path, &db) == 0);
-	snprintf(path, sizeof(path), "%s/tail.db-wal", top);
-	CHECK(read_file(path, &wal) == 0);
-	if (!wal.p || wal.n < 32) {
+	if (!snapshot("tail.db", &db, &wal)) {
 		sqlite3_close(live);
 		return;
 	}
@@ -408,7 +408,6 @@ static void test_last_commit_cut(void)
  * no table when it keeps nothing), and what it says is dropped lies after first_bad. */
 static void test_random_damage(void)
 {
-	char path[320];
 	struct bytes db, wal;
 	struct walcheck w;
 	uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -416,11 +415,7 @@ static void test_random_damage(void)
 	sqlite3 *live = open_db("random.db");
 
 	CHECK(live && put_rows(live, 0, ROWS));
-	snprintf(path, sizeof(path), "%s/random.db", top);
-	CHECK(read_file(path, &db) == 0);
-	snprintf(path, sizeof(path), "%s/random.db-wal", top);
-	CHECK(read_file(path, &wal) == 0);
-	if (!wal.p || wal.n < 32) {
+	if (!snapshot("random.db", &db, &wal)) {
 		sqlite3_close(live);
 		return;
 	}
