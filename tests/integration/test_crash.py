@@ -294,6 +294,31 @@ def wal_frames(data):
     return out
 
 
+def add_turns(c, conv, lo, hi):
+    """Turns lo..hi-1 to conv, one at a time: a commit each."""
+    for i in range(lo, hi):
+        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": conv,
+              "contents": "turn %d" % i})
+
+
+def damage_midway(wal, n):
+    """Flips a bit in a page of the frame after the commit n // 2 + 1 commits before the
+    WAL's last: returns the damaged bytes, the frames, the commit frames, the frame changed
+    and the commit frames after it."""
+    with open(wal, "rb") as f:
+        data = bytearray(f.read())
+    frames = wal_frames(data)
+    commits = [j for j, (_, _, commit) in enumerate(frames, 1) if commit]
+    assert len(commits) >= n, (len(frames), commits)
+    bad = commits[len(commits) - n // 2 - 1] + 1
+    later = [j for j in commits if j > bad]
+    assert later
+    data[frames[bad - 1][0] + 24 + 100] ^= 0x01
+    with open(wal, "wb") as f:
+        f.write(data)
+    return data, frames, commits, bad, later
+
+
 def test_damaged_wal_is_reported_and_kept(daemon_factory):
     """A WAL whose frame was damaged after it was written (a bit flipped in a page, between
     a kill -9 and the restart): SQLite's recovery keeps the commits before that frame and
@@ -303,11 +328,8 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
     alone not as written is what a power loss during that commit's write leaves: a warning,
     and no copy."""
     d = daemon_factory(["--durability", "machine"])
-    c = d.connect()
     n = 30
-    for i in range(n):  # one at a time: a commit each
-        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "w",
-              "contents": "turn %d" % i})
+    add_turns(d.connect(), "w", 0, n)
     d.stop(signal.SIGKILL)
     wal = os.path.join(d.state_dir, "convod.db-wal")
 
@@ -317,25 +339,10 @@ def test_damaged_wal_is_reported_and_kept(daemon_factory):
     assert d.connect().ok({"op": "stats"})["store"]["wal_commits_dropped"] == 0
     assert "SQLite's recovery" not in d.log()
     assert not [f for f in os.listdir(d.state_dir) if ".damaged-" in f]
-    c = d.connect()
-    for i in range(n, 2 * n):
-        c.ok({"op": "add_user" if i % 2 == 0 else "add_assistant", "conversation": "w",
-              "contents": "turn %d" % i})
+    add_turns(d.connect(), "w", n, 2 * n)
     d.stop(signal.SIGKILL)
-
-    with open(wal, "rb") as f:
-        data = bytearray(f.read())
-    frames = wal_frames(data)
-    commits = [j for j, (_, _, commit) in enumerate(frames, 1) if commit]
-    assert len(commits) >= n, (len(frames), commits)
     # A frame halfway through the commits of the second run's adds: a byte of its page.
-    bad = commits[len(commits) - n // 2 - 1] + 1
-    later = [j for j in commits if j > bad]
-    assert later
-    off = frames[bad - 1][0]
-    data[off + 24 + 100] ^= 0x01
-    with open(wal, "wb") as f:
-        f.write(data)
+    data, frames, commits, bad, later = damage_midway(wal, n)
 
     d.start()
     log = d.log()
@@ -453,4 +460,36 @@ def test_wal_refused_by_sqlite_is_copied_once(daemon_factory):
     assert len(msgs) == n
     assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == 0
     assert "SQLite's recovery" not in d.log()[before:]
+    assert d.stop() == 0, d.log()
+
+
+def test_damaged_wal_whose_copy_fails_is_left_as_it_is(daemon_factory):
+    """The copy of a damaged WAL cannot be written (its .part name is taken by a directory):
+    the start says so, and leaves the WAL as it is instead of emptying it, since it holds
+    the only copy of the commits SQLite dropped. The daemon goes on with what recovery
+    kept."""
+    d = daemon_factory(["--durability", "machine"])
+    n = 20
+    add_turns(d.connect(), "x", 0, n)
+    d.stop(signal.SIGKILL)
+    wal = os.path.join(d.state_dir, "convod.db-wal")
+    data, _, _, _, later = damage_midway(wal, n)
+    st = os.stat(wal)
+    copy = "%s.damaged-%s-%d" % (wal, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(st.st_mtime)),
+                                  st.st_size)
+    os.mkdir(copy + ".part")
+
+    d.start()
+    log = d.log()
+    assert "SQLite's recovery stops at frame" in log, log
+    assert ("cannot keep a copy of %s: Is a directory; the WAL stays as it is" % wal) in log, log
+    assert "after that recovery, the WAL was checkpointed" not in log, log
+    assert not os.path.exists(copy)
+    c = d.connect()
+    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == len(later)
+    # Not truncated (the start's own commits write over the frames after those kept).
+    assert os.path.getsize(wal) >= len(data), (os.path.getsize(wal), len(data))
+    texts = [m["message"]["contents"][0]
+             for m in c.ok({"op": "get_messages", "conversation": "x"})["messages"]]
+    assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
     assert d.stop() == 0, d.log()
