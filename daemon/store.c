@@ -396,6 +396,9 @@ struct store {
 	struct walvfs_counts syncs_at_open; /* the VFS's (whole process) when the store opened */
 	struct checkpointer ck;
 	char *path; /* DIR/convod.db, for messages */
+	/* path with the links of its last name followed: SQLite names the WAL and -shm after
+	 * the file a link leads to, and puts them beside it (links_followed). */
+	char *real;
 	sqlite3_stmt *st[ST_COUNT];
 	/* The loop's side: the open transaction. */
 	bool in_txn;
@@ -1090,7 +1093,7 @@ static int checkpointer_start(struct store *s, enum durability durability)
 	struct checkpointer *ck = &s->ck;
 	int rc;
 
-	ck->path = s->path;
+	ck->path = s->real; /* for its WAL's name (wal_writeback) */
 	ck->durability = durability;
 	ck->wal_fd = -1;
 	if ((rc = pthread_mutex_init(&ck->mu, NULL)) != 0)
@@ -1174,7 +1177,7 @@ void store_stats(struct store *s, struct store_stats *o)
 	o->spoils_failed = vc.spoil_failed - s->syncs_at_open.spoil_failed;
 	o->wal_commits_dropped = s->wal_commits_dropped;
 	o->db_bytes = file_bytes(s->path, "");
-	o->wal_bytes = file_bytes(s->path, "-wal");
+	o->wal_bytes = file_bytes(s->real, "-wal");
 }
 
 bool store_checkpoint_behind(struct store *s)
@@ -2412,6 +2415,48 @@ void store_failure_ack(struct store *s)
 
 /* ---- open and close ---- */
 
+/* path with the links of its last name followed, as SQLite's unix VFS follows them (at most
+ * 100; a link's relative target is taken from the link's directory): the database SQLite
+ * opens as path, beside which it keeps the WAL and -shm. A copy, or NULL (ENOMEM). A link
+ * that leads nowhere is followed as far as it goes: SQLite creates the file it names. */
+static char *links_followed(const char *path)
+{
+	char *p = strdup(path), target[PATH_MAX], *slash, *dir;
+	struct stat st;
+	ssize_t n;
+	int i;
+
+	for (i = 0; p && i < 100 && lstat(p, &st) == 0 && S_ISLNK(st.st_mode); i++) {
+		if ((n = readlink(p, target, sizeof(target) - 1)) <= 0)
+			break;
+		target[n] = '\0';
+		slash = strrchr(p, '/');
+		size_t keep = target[0] != '/' && slash ? (size_t)(slash - p) + 1 : 0;
+		char *q = malloc(keep + (size_t)n + 1);
+		if (q) {
+			memcpy(q, p, keep);
+			memcpy(q + keep, target, (size_t)n + 1);
+		}
+		free(p);
+		p = q;
+	}
+	/* For messages: DIR/../elsewhere/file as /elsewhere/file. */
+	if (i && p && (slash = strrchr(p, '/')) && slash != p) {
+		*slash = '\0';
+		dir = realpath(p, NULL);
+		*slash = '/';
+		char *q = dir ? malloc(strlen(dir) + strlen(slash) + 1) : NULL;
+		if (q) {
+			strcpy(q, dir);
+			strcat(q, slash);
+			free(p);
+			p = q;
+		}
+		free(dir);
+	}
+	return p;
+}
+
 /* Copies the file open on fd to path, synced with its directory: written as path.part,
  * then renamed, so that path is whole whenever it is there. 0, -EEXIST when path is there
  * already, or -errno. */
@@ -2503,7 +2548,7 @@ static bool wal_check(struct store *s)
 	struct tm tm;
 	int fd, rc;
 
-	if ((size_t)snprintf(wal, sizeof(wal), "%s-wal", s->path) >= sizeof(wal))
+	if ((size_t)snprintf(wal, sizeof(wal), "%s-wal", s->real) >= sizeof(wal))
 		return false; /* SQLite could not open it either */
 	if ((fd = open(wal, O_RDONLY | O_CLOEXEC)) < 0) {
 		if (errno != ENOENT)
@@ -2511,7 +2556,7 @@ static bool wal_check(struct store *s)
 			        strerror(errno));
 		return false;
 	}
-	if ((rc = walcheck_scan(fd, db_page_size(s->path), &w)) < 0)
+	if ((rc = walcheck_scan(fd, db_page_size(s->real), &w)) < 0)
 		log_msg(LOG_WARN, "store", "cannot read %s to check it: %s", wal, strerror(-rc));
 	if (rc < 0 || !w.lost_commits) {
 		close(fd);
@@ -2637,6 +2682,11 @@ int store_open(const char *dir, enum durability durability, struct store **out, 
 		goto fail;
 	}
 	snprintf(s->path, n, "%s/%s", dir, STORE_FILE);
+	if (!(s->real = links_followed(s->path))) {
+		set_errbuf(errbuf, errlen, "store: out of memory");
+		rc = -ENOMEM;
+		goto fail;
+	}
 	if ((rc = locks_init(s)) < 0) {
 		set_errbuf(errbuf, errlen, "store: %s", strerror(-rc));
 		goto fail;
@@ -2748,6 +2798,7 @@ void store_close(struct store *s)
 		pthread_mutex_destroy(&s->qmu);
 	}
 	free(s->path);
+	free(s->real);
 	free(s);
 }
 

@@ -493,3 +493,40 @@ def test_damaged_wal_whose_copy_fails_is_left_as_it_is(daemon_factory):
              for m in c.ok({"op": "get_messages", "conversation": "x"})["messages"]]
     assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
     assert d.stop() == 0, d.log()
+
+
+def test_damaged_wal_beside_a_linked_database_is_checked(daemon_factory):
+    """convod.db a symbolic link (relative) to a file in another directory: SQLite keeps the
+    WAL beside the file the link leads to, and that is the WAL checked at start, copied when
+    damaged, and counted in stats; nothing is looked for beside the link."""
+    d = daemon_factory(["--durability", "machine"], start=False)
+    disk = os.path.join(d.dir, "disk")
+    os.makedirs(d.state_dir)
+    os.mkdir(disk)
+    os.symlink(os.path.join("..", "disk", "store.db"), os.path.join(d.state_dir, "convod.db"))
+    d.start()
+    n = 20
+    c = d.connect()
+    add_turns(c, "y", 0, n)
+    wal = os.path.join(disk, "store.db-wal")
+    assert c.ok({"op": "stats"})["store"]["wal_bytes"] == os.path.getsize(wal) > 0
+    d.stop(signal.SIGKILL)
+    assert not os.path.exists(os.path.join(d.state_dir, "convod.db-wal"))
+    data, frames, commits, bad, later = damage_midway(wal, n)
+
+    d.start()
+    log = d.log()
+    assert ("error store: %s: SQLite's recovery stops at frame %d of %d"
+            % (wal, bad, len(frames))) in log, log
+    copies = [f for f in os.listdir(disk) if f.startswith("store.db-wal.damaged-")]
+    assert len(copies) == 1, os.listdir(disk)
+    with open(os.path.join(disk, copies[0]), "rb") as f:
+        assert f.read() == bytes(data)
+    assert not [f for f in os.listdir(d.state_dir) if f.startswith("convod.db-")], \
+        os.listdir(d.state_dir)
+    c = d.connect()
+    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == len(later)
+    texts = [m["message"]["contents"][0]
+             for m in c.ok({"op": "get_messages", "conversation": "y"})["messages"]]
+    assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
+    assert d.stop() == 0, d.log()
