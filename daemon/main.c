@@ -572,8 +572,20 @@ out:
 	}
 	uv_run(&d.loop, UV_RUN_DEFAULT);
 	/* What the flusher confirmed while draining is still in the open transaction. */
-	if (d.store && store_in_transaction(d.store) && store_commit(d.store) < 0)
-		log_msg(LOG_WARN, "store", "last commit failed: confirmed writes will be sent again");
+	if (d.store && store_in_transaction(d.store)) {
+		size_t repairs = store_repairs_in_transaction(d.store);
+		if (store_commit(d.store) < 0) {
+			log_msg(LOG_WARN, "store",
+			        "last commit failed: confirmed writes will be sent again");
+			if (repairs)
+				log_msg(
+				    LOG_ERROR, "store",
+				    "the rows of %zu message%s to look at again after a write "
+				    "without an answer were in that commit: the next start does "
+				    "not look at them, and a late write of theirs is not repaired",
+				    repairs, repairs == 1 ? "" : "s");
+		}
+	}
 	/* The writer ends with the store: no wake after that. */
 	store_close(d.store);
 	d.store = NULL;

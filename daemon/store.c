@@ -403,6 +403,7 @@ struct store {
 	/* The loop's side: the open transaction. */
 	bool in_txn;
 	int txn_err;      /* first failed write of the open transaction, 0 if none */
+	size_t txn_repairs; /* rows of repairs it puts (store_repairs_in_transaction) */
 	struct buf packed; /* packed map of the last store_put_message, reused */
 	struct buf batch; /* message records of the open transaction */
 	size_t batch_records;
@@ -2892,6 +2893,7 @@ int store_begin(struct store *s)
 		return -EINVAL;
 	s->in_txn = true;
 	s->txn_err = 0;
+	s->txn_repairs = 0;
 	s->batch.len = 0;
 	s->batch_records = 0;
 	s->ops.len = 0;
@@ -3147,7 +3149,10 @@ static int repair_op(struct store *s, enum op_kind kind, const char *conv, size_
 int store_repair_put(struct store *s, const char *conv, size_t conv_len, const char *sk,
                      uint32_t version, int64_t due_ms)
 {
-	return repair_op(s, OPK_REPAIR_PUT, conv, conv_len, sk, version, due_ms);
+	int rc = repair_op(s, OPK_REPAIR_PUT, conv, conv_len, sk, version, due_ms);
+	if (rc == 0)
+		s->txn_repairs++;
+	return rc;
 }
 
 int store_repair_done(struct store *s, const char *conv, size_t conv_len, const char *sk,
@@ -3818,4 +3823,9 @@ int store_idle(struct store *s)
 bool store_in_transaction(const struct store *s)
 {
 	return s && s->in_txn;
+}
+
+size_t store_repairs_in_transaction(const struct store *s)
+{
+	return s && s->in_txn ? s->txn_repairs : 0;
 }

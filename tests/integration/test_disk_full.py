@@ -388,14 +388,12 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
     assert d.stop() == 0, d.log()
 
 
-def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, faultproxy,
-                                                      ddb_table):
-    """A write left without an answer while the disk is full: the commit that records its
-    messages to look at again (the repairs rows) fails. Once commits succeed again the rows
-    are written anew, so that a crash before the look does not forget it: after kill -9 the
-    next start finds both. (They used to be kept in memory only, gone with a crash.) The
-    rewrite waits for the next loop turn: a retry_dead_letters whose commit is the first to
-    succeed is not failed by it."""
+def lose_repair_rows(daemon_factory, small_fs, faultproxy, ddb_table):
+    """A write left without an answer while the disk is full, so that the commit that was
+    to record its two messages to look at again (the repairs rows) failed: returns the
+    daemon, a connection, the state directory, the reader and filler that keep commits
+    failing (for the caller to release), the request timeout (ms) and when the flush
+    started."""
     timeout = int(3000 * float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1")))
     state = os.path.join(small_fs, "state")
     d = daemon_factory(["--state-dir", state, "--dynamodb-table", ddb_table,
@@ -417,8 +415,34 @@ def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, 
     wait_until(lambda: c.ok({"op": "stats"})["sink"]["repairs_waiting"] == 2,
                5 + timeout / 1000.0, "the call's timeout")
     c.err({"op": "add_user", "conversation": "slack", "contents": "still full"}, "unavailable")
-    count = "SELECT count(*) FROM repairs"
-    assert store_rows(state, count) == [(0,)]
+    assert store_rows(state, REPAIRS_COUNT) == [(0,)]
+    return d, c, state, reader, filler, timeout, t0
+
+
+REPAIRS_COUNT = "SELECT count(*) FROM repairs"
+
+
+def restart_finds_the_repairs(d, timeout, t0):
+    """After kill -9 or a stop, the next start finds the two messages to look at again
+    (unless this host took so long that they came due and were looked at before)."""
+    if time.monotonic() - t0 > 3 * timeout / 1000.0:
+        pytest.skip("too slow here: the repairs came due before the crash")
+    d.start()
+    d.connect().ok({"op": "ping"})
+    assert "2 messages to look at again after a write without an answer before the last " \
+        "stop" in d.log(), d.log()
+
+
+def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, faultproxy,
+                                                      ddb_table):
+    """A write left without an answer while the disk is full: the commit that records its
+    messages to look at again (the repairs rows) fails. Once commits succeed again the rows
+    are written anew, so that a crash before the look does not forget it: after kill -9 the
+    next start finds both. (They used to be kept in memory only, gone with a crash.) The
+    rewrite waits for the next loop turn: a retry_dead_letters whose commit is the first to
+    succeed is not failed by it."""
+    d, c, state, reader, filler, timeout, t0 = lose_repair_rows(daemon_factory, small_fs,
+                                                                faultproxy, ddb_table)
     reader.execute("COMMIT")
     reader.close()
     os.unlink(filler)
@@ -430,15 +454,53 @@ def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, 
                 json.dumps({"id": "retry", "op": "retry_dead_letters"}) + "\n").encode())
     added, retried = c.recv(), c.recv()
     assert added["ok"] and retried["ok"], (added, retried)
-    wait_until(lambda: store_rows(state, count) == [(2,)], 5, "the repairs rows written anew")
+    wait_until(lambda: store_rows(state, REPAIRS_COUNT) == [(2,)], 5,
+               "the repairs rows written anew")
     assert "writing the rows of 2 messages to look at again anew" in d.log(), d.log()
     d.stop(signal.SIGKILL)
-    if time.monotonic() - t0 > 3 * timeout / 1000.0:
-        pytest.skip("too slow here: the repairs came due before the crash")
+    restart_finds_the_repairs(d, timeout, t0)
+
+
+def test_disk_full_repair_rows_lost_are_written_by_the_stop(daemon_factory, small_fs,
+                                                            faultproxy, ddb_table):
+    """The repairs rows lost to a failed commit, and the daemon stopped (SIGTERM) once space
+    is back but before any commit succeeded: the stop writes them anew in its last commit,
+    so that the next start looks at those messages too."""
+    d, c, state, reader, filler, timeout, t0 = lose_repair_rows(daemon_factory, small_fs,
+                                                                faultproxy, ddb_table)
+    reader.execute("COMMIT")
+    reader.close()
+    os.unlink(filler)
+    assert store_rows(state, REPAIRS_COUNT) == [(0,)]
+    assert d.stop() == 0, d.log()
+    log = d.log()
+    assert "writing the rows of 2 messages to look at again anew" in log, log
+    assert "stopping with 2 messages to look at again after a write without an answer" in log
+    assert store_rows(state, REPAIRS_COUNT) == [(2,)]
+    restart_finds_the_repairs(d, timeout, t0)
+
+
+def test_disk_full_repair_rows_lost_with_the_stop_say_so(daemon_factory, small_fs, faultproxy,
+                                                         ddb_table):
+    """The repairs rows lost to a failed commit, and the daemon stopped while the disk is
+    still full: the stop's last commit, which was to write them anew, fails too. The stop
+    says which rows are lost with it; the next start indeed finds none to look at."""
+    d, c, state, reader, filler, timeout, t0 = lose_repair_rows(daemon_factory, small_fs,
+                                                                faultproxy, ddb_table)
+    assert d.stop() == 0, d.log()
+    log = d.log()
+    assert "last commit failed: confirmed writes will be sent again" in log, log
+    assert ("error store: the rows of 2 messages to look at again after a write without an "
+            "answer were in that commit: the next start does not look at them") in log, log
+    reader.execute("COMMIT")
+    reader.close()
+    os.unlink(filler)
+    assert store_rows(state, REPAIRS_COUNT) == [(0,)]
+    before = len(d.log())
     d.start()
     d.connect().ok({"op": "ping"})
-    assert "2 messages to look at again after a write without an answer before the last " \
-        "stop" in d.log(), d.log()
+    assert "to look at again after a write without an answer before the last stop" \
+        not in d.log()[before:], d.log()[before:]
 
 
 def test_disk_full_during_a_retry_move(daemon_factory, fs_16m, faultproxy, dynalite,
