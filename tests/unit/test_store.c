@@ -2530,6 +2530,79 @@ static void test_sync_restore(void)
 		convo_free(c[i]);
 }
 
+/* The same refusal with a fold cycle under way: the writer's idle step folded part of a
+ * cycle (unsynced), then could not set synchronous=FULL back. The next commit's transaction
+ * fails to begin (-EIO), and its rollback leaves the fold where that step left it: once
+ * FULL can be set again, the commit is written again, synced, the cycle ends, and every
+ * conversation is as written. */
+static void test_sync_lost_mid_fold(void)
+{
+	char dir[128], err[256];
+	struct convo_env env;
+	struct convo *c[8] = {0}, *l = NULL;
+	struct store_progress p;
+	struct store_stats st;
+	struct store *s = NULL;
+	uint64_t seq;
+	unsigned failures;
+	int k = 0, t;
+
+	env_init(&env, T0);
+	make_dir(dir, sizeof(dir), "sync-mid-fold");
+	CHECK(store_open(dir, DURABILITY_MACHINE, &s, err, sizeof(err)) == 0);
+	if (!s)
+		return;
+	/* Seven conversations of 300 records start a cycle of 2100, whose first idle step
+	 * (STORE_FOLD_IDLE_STEP, 1024 records) folds four of them. */
+	store_set_fold_records(s, 2000);
+	store_fail_sync_full(s, true);
+	for (int i = 0; i < 7; i++)
+		seq = submit_new(s, &env, c, &k, 300);
+	CHECK(committed_by(s, seq));
+	/* The step's own setting back failed, then the next step's (at its start and after
+	 * it gave up). */
+	failures = 0;
+	for (t = 0; t < 20000 && failures < 2; t++) {
+		failures += store_fail_sync_full(s, true);
+		usleep(500);
+	}
+	usleep(20000);
+	store_stats(s, &st);
+	printf("sync lost mid-fold: %" PRIu64 " of 2100 records folded, %" PRIu64 " cycles ended\n",
+	       st.fold_records, st.fold_cycles);
+	CHECK(st.fold_records >= 1024 && st.fold_records < 2100 && st.fold_cycles == 0);
+	CHECK(failures >= 2 && st.pending == 2100); /* the cycle's records stay until it ends */
+
+	seq = submit_new(s, &env, c, &k, 3);
+	CHECK(!committed_by(s, seq));
+	store_progress(s, &p);
+	CHECK(p.failed && p.error == -EIO && p.committed < seq);
+	failures = store_fail_sync_full(s, false);
+	CHECK(failures >= 1);
+	store_failure_ack(s);
+	forget_store(c[k - 1]);
+	CHECK(store_begin(s) == 0 && put_pending(s, c[k - 1]) == 3);
+	CHECK(store_submit(s, &seq) == 0);
+	CHECK(committed_by(s, seq));
+
+	CHECK(store_idle(s) == 0);
+	for (t = 0; t < 2000 && count_batches(dir) != 0; t++)
+		usleep(1000);
+	CHECK(count_batches(dir) == 0);
+	store_stats(s, &st);
+	/* Each record folded once: the failed transaction put the cycle back where it was. */
+	CHECK(st.pending == 0 && st.fold_cycles >= 1 && st.fold_records == 2103);
+	for (int i = 0; i < k; i++) {
+		CHECK(store_load_conversation(s, c[i]->id, c[i]->id_len, &l) == 0);
+		CHECK_SAME(c[i], l);
+		convo_free(l);
+		l = NULL;
+	}
+	store_close(s);
+	for (int i = 0; i < k; i++)
+		convo_free(c[i]);
+}
+
 static void test_wal_bound(void)
 {
 	struct store_stats st;
@@ -2873,6 +2946,7 @@ int main(void)
 	test_async();
 	test_cohort();
 	test_sync_restore();
+	test_sync_lost_mid_fold();
 	test_wal_bound();
 	test_wal_catch_up();
 	test_wal_writeback();
