@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -2539,12 +2540,14 @@ static uint32_t db_page_size(const char *path)
  * a copy of the file as it was is kept beside it, for whoever wants those commits back.
  * The copy is named after the WAL's last change and size
  * (convod.db-wal.damaged-YYYYMMDDTHHMMSSZ-BYTES), so that starts that fail again on the
- * same file keep it once. The daemon goes on with what recovery keeps. Returns whether the
- * frames recovery drops may go (wal_forget_dropped): not when the copy failed. */
+ * same file keep it once, and only while it leaves at least as much free space as it takes.
+ * The daemon goes on with what recovery keeps. Returns whether the frames recovery drops
+ * may go (wal_forget_dropped): not when there is no copy. */
 static bool wal_check(struct store *s)
 {
 	char wal[PATH_MAX], copy[PATH_MAX + 64], when[32];
 	struct walcheck w;
+	struct statvfs fs;
 	struct stat st;
 	struct tm tm;
 	int fd, rc;
@@ -2593,6 +2596,18 @@ static bool wal_check(struct store *s)
 	        wal);
 	if (fstat(fd, &st) < 0) {
 		rc = -errno;
+	} else if (fstatvfs(fd, &fs) == 0 &&
+	           (uint64_t)fs.f_bavail * fs.f_frsize < 2 * (uint64_t)st.st_size) {
+		/* A copy that fills the disk would leave the daemon nothing to write to. */
+		log_msg(
+		    LOG_ERROR, "store",
+		    "cannot keep a copy of %s: its %lld bytes would leave less than that free "
+		    "(%llu bytes are); the WAL stays as it is, its dropped frames with it, until "
+		    "the next commits write over them",
+		    wal, (long long)st.st_size,
+		    (unsigned long long)fs.f_bavail * (unsigned long long)fs.f_frsize);
+		close(fd);
+		return false;
 	} else {
 		gmtime_r(&st.st_mtime, &tm);
 		strftime(when, sizeof(when), "%Y%m%dT%H%M%SZ", &tm);

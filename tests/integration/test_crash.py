@@ -22,6 +22,7 @@ import time
 import pytest
 
 from conftest import Conn
+from test_disk_full import small_fs  # noqa: F401 (a fixture)
 from test_persistence import (FAST, ddb_env, full_log, table_matches_daemon, wait_drained)
 
 SEED = int(os.environ.get("CONVOD_CRASH_SEED", "424242"))
@@ -529,4 +530,41 @@ def test_damaged_wal_beside_a_linked_database_is_checked(daemon_factory):
     texts = [m["message"]["contents"][0]
              for m in c.ok({"op": "get_messages", "conversation": "y"})["messages"]]
     assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
+    assert d.stop() == 0, d.log()
+
+
+def test_damaged_wal_copy_that_would_fill_the_disk_is_not_kept(daemon_factory, small_fs):
+    """A damaged WAL on a file system with less free space than twice its size: the copy
+    would leave the daemon less room than it takes, so none is made. The start says so and
+    leaves the WAL as it is, as when a copy fails; the daemon goes on with what recovery
+    kept."""
+    from test_disk_full import fill
+    state = os.path.join(small_fs, "state")
+    d = daemon_factory(["--state-dir", state, "--durability", "machine"])
+    n = 20
+    add_turns(d.connect(), "z", 0, n)
+    d.stop(signal.SIGKILL)
+    wal = os.path.join(state, "convod.db-wal")
+    data, _, _, _, later = damage_midway(wal, n)
+    filler = fill(small_fs)
+    os.truncate(filler, max(0, os.path.getsize(filler) - len(data) * 3 // 2))
+    fs = os.statvfs(small_fs)
+    free = fs.f_bavail * fs.f_frsize
+    assert len(data) <= free < 2 * len(data), (free, len(data))
+
+    d.start()
+    log = d.log()
+    assert "SQLite's recovery stops at frame" in log, log
+    m = re.search(r"cannot keep a copy of %s: its (\d+) bytes would leave less than that "
+                  r"free \((\d+) bytes are\); the WAL stays as it is" % re.escape(wal), log)
+    assert m and int(m.group(1)) == len(data) and int(m.group(2)) < 2 * len(data), log
+    assert not [f for f in os.listdir(state) if ".damaged-" in f], os.listdir(state)
+    assert "after that recovery, the WAL was checkpointed" not in log, log
+    c = d.connect()
+    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == len(later)
+    assert os.path.getsize(wal) >= len(data), (os.path.getsize(wal), len(data))
+    texts = [m["message"]["contents"][0]
+             for m in c.ok({"op": "get_messages", "conversation": "z"})["messages"]]
+    assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
+    os.unlink(filler)
     assert d.stop() == 0, d.log()
