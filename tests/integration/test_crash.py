@@ -320,6 +320,19 @@ def damage_midway(wal, n):
     return data, frames, commits, bad, later
 
 
+def wal_left_as_it_is(d, log, wal, data, later, conv, n):
+    """After a start that kept no copy of the damaged WAL (data, whose commits later were
+    dropped): the WAL was not emptied (the start's own commits write over the frames after
+    those kept), the commits dropped are counted, and conv holds a prefix of its n turns."""
+    assert "after that recovery, the WAL was checkpointed" not in log, log
+    c = d.connect()
+    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == len(later)
+    assert os.path.getsize(wal) >= len(data), (os.path.getsize(wal), len(data))
+    texts = [m["message"]["contents"][0]
+             for m in c.ok({"op": "get_messages", "conversation": conv})["messages"]]
+    assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
+
+
 def test_damaged_wal_is_reported_and_kept(daemon_factory):
     """A WAL whose frame was damaged after it was written (a bit flipped in a page, between
     a kill -9 and the restart): SQLite's recovery keeps the commits before that frame and
@@ -484,15 +497,8 @@ def test_damaged_wal_whose_copy_fails_is_left_as_it_is(daemon_factory):
     log = d.log()
     assert "SQLite's recovery stops at frame" in log, log
     assert ("cannot keep a copy of %s: Is a directory; the WAL stays as it is" % wal) in log, log
-    assert "after that recovery, the WAL was checkpointed" not in log, log
     assert not os.path.exists(copy)
-    c = d.connect()
-    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == len(later)
-    # Not truncated (the start's own commits write over the frames after those kept).
-    assert os.path.getsize(wal) >= len(data), (os.path.getsize(wal), len(data))
-    texts = [m["message"]["contents"][0]
-             for m in c.ok({"op": "get_messages", "conversation": "x"})["messages"]]
-    assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
+    wal_left_as_it_is(d, log, wal, data, later, "x", n)
     assert d.stop() == 0, d.log()
 
 
@@ -559,12 +565,6 @@ def test_damaged_wal_copy_that_would_fill_the_disk_is_not_kept(daemon_factory, s
                   r"free \((\d+) bytes are\); the WAL stays as it is" % re.escape(wal), log)
     assert m and int(m.group(1)) == len(data) and int(m.group(2)) < 2 * len(data), log
     assert not [f for f in os.listdir(state) if ".damaged-" in f], os.listdir(state)
-    assert "after that recovery, the WAL was checkpointed" not in log, log
-    c = d.connect()
-    assert c.ok({"op": "stats"})["store"]["wal_commits_dropped"] == len(later)
-    assert os.path.getsize(wal) >= len(data), (os.path.getsize(wal), len(data))
-    texts = [m["message"]["contents"][0]
-             for m in c.ok({"op": "get_messages", "conversation": "z"})["messages"]]
-    assert texts == ["turn %d" % i for i in range(len(texts))] and len(texts) < n, texts
+    wal_left_as_it_is(d, log, wal, data, later, "z", n)
     os.unlink(filler)
     assert d.stop() == 0, d.log()

@@ -2452,6 +2452,40 @@ static bool folded(struct store *s)
 	return false;
 }
 
+/* After a failed commit: acknowledges the failure and writes c (the failed commit's, 3
+ * records) again, which must commit synced. */
+static void write_again_synced(struct store *s, struct convo *c)
+{
+	struct store_stats st0, st1;
+	uint64_t seq;
+
+	store_failure_ack(s);
+	forget_store(c);
+	CHECK(store_begin(s) == 0 && put_pending(s, c) == 3);
+	store_stats(s, &st0);
+	CHECK(store_submit(s, &seq) == 0);
+	CHECK(committed_by(s, seq));
+	store_stats(s, &st1);
+	CHECK(st1.wal_syncs > st0.wal_syncs);
+}
+
+/* Everything folded (store_idle), the journal emptied, and each of c[0..k) as written. */
+static void all_folded_as_written(struct store *s, const char *dir, struct convo **c, int k)
+{
+	struct convo *l = NULL;
+
+	CHECK(store_idle(s) == 0);
+	for (int t = 0; t < 2000 && count_batches(dir) != 0; t++)
+		usleep(1000);
+	CHECK(count_batches(dir) == 0);
+	for (int i = 0; i < k; i++) {
+		CHECK(store_load_conversation(s, c[i]->id, c[i]->id_len, &l) == 0);
+		CHECK_SAME(c[i], l);
+		convo_free(l);
+		l = NULL;
+	}
+}
+
 /* At durability machine the fold's own transactions run at synchronous=NORMAL, and FULL is
  * set back after each. When that fails, the next transaction sets it first: its commit is
  * synced (store.wal_syncs). When it cannot, that transaction fails with -EIO rather than
@@ -2461,7 +2495,7 @@ static void test_sync_restore(void)
 {
 	char dir[128], err[256];
 	struct convo_env env;
-	struct convo *c[8] = {0}, *l = NULL;
+	struct convo *c[8] = {0};
 	struct store_progress p;
 	struct store_stats st0, st1;
 	struct store *s = NULL;
@@ -2505,26 +2539,8 @@ static void test_sync_restore(void)
 	failures = store_fail_sync_full(s, false);
 	printf("sync restore refused: %u failures injected in 100 ms\n", failures);
 	CHECK(failures >= 2 && failures < 10);
-	store_failure_ack(s);
-	forget_store(c[k - 1]);
-	CHECK(store_begin(s) == 0 && put_pending(s, c[k - 1]) == 3);
-	store_stats(s, &st0);
-	CHECK(store_submit(s, &seq) == 0);
-	CHECK(committed_by(s, seq));
-	store_stats(s, &st1);
-	CHECK(st1.wal_syncs > st0.wal_syncs);
-
-	/* Everything folded, the journal emptied, and every conversation as written. */
-	CHECK(store_idle(s) == 0);
-	for (int t = 0; t < 2000 && count_batches(dir) != 0; t++)
-		usleep(1000);
-	CHECK(count_batches(dir) == 0);
-	for (int i = 0; i < k; i++) {
-		CHECK(store_load_conversation(s, c[i]->id, c[i]->id_len, &l) == 0);
-		CHECK_SAME(c[i], l);
-		convo_free(l);
-		l = NULL;
-	}
+	write_again_synced(s, c[k - 1]);
+	all_folded_as_written(s, dir, c, k);
 	store_close(s);
 	for (int i = 0; i < k; i++)
 		convo_free(c[i]);
@@ -2539,7 +2555,7 @@ static void test_sync_lost_mid_fold(void)
 {
 	char dir[128], err[256];
 	struct convo_env env;
-	struct convo *c[8] = {0}, *l = NULL;
+	struct convo *c[8] = {0};
 	struct store_progress p;
 	struct store_stats st;
 	struct store *s = NULL;
@@ -2579,25 +2595,11 @@ static void test_sync_lost_mid_fold(void)
 	CHECK(p.failed && p.error == -EIO && p.committed < seq);
 	failures = store_fail_sync_full(s, false);
 	CHECK(failures >= 1);
-	store_failure_ack(s);
-	forget_store(c[k - 1]);
-	CHECK(store_begin(s) == 0 && put_pending(s, c[k - 1]) == 3);
-	CHECK(store_submit(s, &seq) == 0);
-	CHECK(committed_by(s, seq));
-
-	CHECK(store_idle(s) == 0);
-	for (t = 0; t < 2000 && count_batches(dir) != 0; t++)
-		usleep(1000);
-	CHECK(count_batches(dir) == 0);
+	write_again_synced(s, c[k - 1]);
+	all_folded_as_written(s, dir, c, k);
 	store_stats(s, &st);
 	/* Each record folded once: the failed transaction put the cycle back where it was. */
 	CHECK(st.pending == 0 && st.fold_cycles >= 1 && st.fold_records == 2103);
-	for (int i = 0; i < k; i++) {
-		CHECK(store_load_conversation(s, c[i]->id, c[i]->id_len, &l) == 0);
-		CHECK_SAME(c[i], l);
-		convo_free(l);
-		l = NULL;
-	}
 	store_close(s);
 	for (int i = 0; i < k; i++)
 		convo_free(c[i]);
