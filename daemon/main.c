@@ -578,12 +578,13 @@ out:
 			log_msg(LOG_WARN, "store",
 			        "last commit failed: confirmed writes will be sent again");
 			if (repairs)
-				log_msg(
-				    LOG_ERROR, "store",
-				    "the rows of %zu message%s to look at again after a write "
-				    "without an answer were in that commit: the next start does "
-				    "not look at them, and a late write of theirs is not repaired",
-				    repairs, repairs == 1 ? "" : "s");
+				log_msg(LOG_ERROR, "store",
+				        "that commit held %zu row%s of messages to look at again "
+				        "after a "
+				        "write without an answer: those no earlier commit wrote "
+				        "are lost, "
+				        "and the next start does not look at their messages",
+				        repairs, repairs == 1 ? "" : "s");
 		}
 	}
 	/* The writer ends with the store: no wake after that. */

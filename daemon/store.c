@@ -2418,9 +2418,12 @@ void store_failure_ack(struct store *s)
 /* ---- open and close ---- */
 
 /* path with the links of its last name followed, as SQLite's unix VFS follows them (at most
- * 100; a link's relative target is taken from the link's directory): the database SQLite
- * opens as path, beside which it keeps the WAL and -shm. A copy, or NULL (ENOMEM). A link
- * that leads nowhere is followed as far as it goes: SQLite creates the file it names. */
+ * 200, its SQLITE_MAX_SYMLINK since 3.39; a link's relative target is taken from the
+ * link's directory): the database SQLite opens as path, beside which it keeps the WAL and
+ * -shm. A copy, or NULL (ENOMEM). A link that leads nowhere is followed as far as it goes:
+ * SQLite creates the file it names. Where a target's ".." follows a directory that does
+ * not exist, SQLite drops both by their names and the kernel would not: the two differ,
+ * and the check looks where SQLite does not. */
 static char *links_followed(const char *path)
 {
 	char *p = strdup(path), target[PATH_MAX], *slash, *dir;
@@ -2428,7 +2431,7 @@ static char *links_followed(const char *path)
 	ssize_t n;
 	int i;
 
-	for (i = 0; p && i < 100 && lstat(p, &st) == 0 && S_ISLNK(st.st_mode); i++) {
+	for (i = 0; p && i < 200 && lstat(p, &st) == 0 && S_ISLNK(st.st_mode); i++) {
 		if ((n = readlink(p, target, sizeof(target) - 1)) <= 0)
 			break;
 		target[n] = '\0';
@@ -2548,6 +2551,7 @@ static bool wal_check(struct store *s)
 	char wal[PATH_MAX], copy[PATH_MAX + 64], when[32];
 	struct walcheck w;
 	struct statvfs fs;
+	bool no_room = false;
 	struct stat st;
 	struct tm tm;
 	int fd, rc;
@@ -2596,9 +2600,22 @@ static bool wal_check(struct store *s)
 	        wal);
 	if (fstat(fd, &st) < 0) {
 		rc = -errno;
-	} else if (fstatvfs(fd, &fs) == 0 &&
-	           (uint64_t)fs.f_bavail * fs.f_frsize < 2 * (uint64_t)st.st_size) {
-		/* A copy that fills the disk would leave the daemon nothing to write to. */
+	} else {
+		gmtime_r(&st.st_mtime, &tm);
+		strftime(when, sizeof(when), "%Y%m%dT%H%M%SZ", &tm);
+		snprintf(copy, sizeof(copy), "%s.damaged-%s-%lld", wal, when,
+		         (long long)st.st_size);
+		/* A copy that fills the disk would leave the daemon nothing to write to (one
+		 * kept by an earlier start takes its room already). */
+		if (access(copy, F_OK) == 0)
+			rc = -EEXIST;
+		else if (fstatvfs(fd, &fs) == 0 &&
+		         (uint64_t)fs.f_bavail * fs.f_frsize < 2 * (uint64_t)st.st_size)
+			no_room = true;
+		else
+			rc = copy_synced(fd, copy);
+	}
+	if (no_room) {
 		log_msg(
 		    LOG_ERROR, "store",
 		    "cannot keep a copy of %s: its %lld bytes would leave less than that free "
@@ -2608,12 +2625,6 @@ static bool wal_check(struct store *s)
 		    (unsigned long long)fs.f_bavail * (unsigned long long)fs.f_frsize);
 		close(fd);
 		return false;
-	} else {
-		gmtime_r(&st.st_mtime, &tm);
-		strftime(when, sizeof(when), "%Y%m%dT%H%M%SZ", &tm);
-		snprintf(copy, sizeof(copy), "%s.damaged-%s-%lld", wal, when,
-		         (long long)st.st_size);
-		rc = copy_synced(fd, copy);
 	}
 	close(fd);
 	if (rc == 0 || rc == -EEXIST) {

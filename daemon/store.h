@@ -147,8 +147,9 @@ void store_stats(struct store *s, struct store_stats *out);
 void store_rollback(struct store *s); /* no-op outside a transaction */
 /* True between store_begin and the commit or rollback. */
 bool store_in_transaction(const struct store *s);
-/* Rows of messages to look at again (store_repair_put) the open transaction writes: lost
- * with it if it fails. 0 outside a transaction. */
+/* Rows of messages to look at again (store_repair_put) the open transaction writes, new
+ * ones or ones written before again: lost with it if it fails, unless an earlier commit
+ * wrote them. 0 outside a transaction. */
 size_t store_repairs_in_transaction(const struct store *s);
 
 /* Inside a transaction: each records a write of it. 0, -ENOMEM (the transaction then
