@@ -580,10 +580,9 @@ out:
 			if (repairs)
 				log_msg(LOG_ERROR, "store",
 				        "that commit held %zu row%s of messages to look at again "
-				        "after a "
-				        "write without an answer: those no earlier commit wrote "
-				        "are lost, "
-				        "and the next start does not look at their messages",
+				        "after a write without an answer: those no earlier commit "
+				        "wrote are lost, and the next start does not look at their "
+				        "messages",
 				        repairs, repairs == 1 ? "" : "s");
 		}
 	}

@@ -323,6 +323,14 @@ def damage_midway(wal, n):
     return data, frames, commits, bad, later
 
 
+def copy_name(wal):
+    """The name the start gives the copy of the damaged WAL wal: after its last change (UTC)
+    and its size."""
+    st = os.stat(wal)
+    return "%s.damaged-%s-%d" % (wal, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(st.st_mtime)),
+                                 st.st_size)
+
+
 def wal_left_as_it_is(d, log, wal, data, later, conv, n):
     """After a start that kept no copy of the damaged WAL (data, whose commits later were
     dropped): the WAL was not emptied (the start's own commits write over the frames after
@@ -496,9 +504,7 @@ def test_damaged_wal_whose_copy_fails_is_left_as_it_is(daemon_factory):
     d.stop(signal.SIGKILL)
     wal = os.path.join(d.state_dir, "convod.db-wal")
     data, _, _, _, later = damage_midway(wal, n)
-    st = os.stat(wal)
-    copy = "%s.damaged-%s-%d" % (wal, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(st.st_mtime)),
-                                  st.st_size)
+    copy = copy_name(wal)
     os.mkdir(copy + ".part")
 
     d.start()
@@ -564,9 +570,7 @@ def test_damaged_wal_copy_that_would_fill_the_disk_is_not_kept(daemon_factory, s
     d.stop(signal.SIGKILL)
     wal = os.path.join(state, "convod.db-wal")
     data, _, _, _, later = damage_midway(wal, n)
-    st = os.stat(wal)
-    copy = "%s.damaged-%s-%d" % (wal, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(st.st_mtime)),
-                                  st.st_size)
+    copy = copy_name(wal)
     if kept_before:
         with open(copy, "wb") as f:
             f.write(data)

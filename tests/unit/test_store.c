@@ -2582,7 +2582,6 @@ static void test_sync_lost_mid_fold(void)
 		failures += store_fail_sync_full(s, true);
 		usleep(500);
 	}
-	usleep(20000);
 	store_stats(s, &st);
 	printf("sync lost mid-fold: %" PRIu64 " of 2100 records folded, %" PRIu64 " cycles ended\n",
 	       st.fold_records, st.fold_cycles);
