@@ -1851,7 +1851,7 @@ static void server_spare_out(void)
 static void server_refused(bool with_store, bool out)
 {
 	char want[SRV_ANSWERS][64], got[65536], key[64];
-	unsigned long n, every = 1, errors = 0, closes = 0, total = 0, stalled = 0;
+	unsigned long n, every = 1, errors = 0, closes = 0, total = 0, stalled = 0, short_runs = 0;
 	enum log_level level = log_get_level();
 
 	if (getenv("CONVOD_ALLOC_FAIL_EVERY"))
@@ -1927,19 +1927,26 @@ static void server_refused(bool with_store, bool out)
 			fprintf(stderr, "server N=%lu: %ld allocations not freed\n", n,
 			        A.live - live_before);
 		CHECK(A.live == live_before);
-		if (n && !refused)
+		/* With a store, how many allocations an exchange makes depends on timing (how
+		 * the writer's commits fall between the loop's turns), so a run may end short of
+		 * its Nth: the loop goes on past the first run's count, and only a few may. */
+		if (n && !refused && n > total)
 			break;
+		if (n && !refused) {
+			fprintf(stderr, "server N=%lu: the exchange made fewer allocations\n", n);
+			short_runs++;
+		}
 	}
 	log_set_level(level);
 	CHECK(total > 20);
-	CHECK(n > total);
+	CHECK(short_runs * 20 <= total / every);
 	fprintf(stderr,
 	        "alloc_fail server (%s): %lu allocations in the exchange, %s (every %lu): %lu "
 	        "answers were errors, %lu connections closed early, %lu exchanges waited for "
-	        "memory\n",
+	        "memory, %lu ran short of the Nth\n",
 	        with_store ? "durability process" : "memory only", total,
 	        out ? "memory out from the Nth on until 50 ms in" : "refused one at a time", every,
-	        errors, closes, stalled);
+	        errors, closes, stalled, short_runs);
 }
 
 int main(void)
