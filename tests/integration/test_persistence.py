@@ -373,6 +373,9 @@ def test_numbers_counted_as_dynamodb_counts_them(value, dynalite, ddb_table, dae
     where "one byte per two significant digits, plus one" said 2, and a message the daemon
     took became a dead letter. The largest aux list of them the daemon takes is stored by
     DynamoDB (dynalite), and one more element is refused by it as by the daemon."""
+    if value == "120" and os.environ.get("CONVOD_VALGRIND"):
+        pytest.skip("the same paths as -1, 85 s under valgrind: the normal and ASan stages "
+                    "run it")
     d = ddb_daemon(daemon_factory, dynalite, ddb_table)
     c = d.connect()
 
@@ -380,7 +383,9 @@ def test_numbers_counted_as_dynamodb_counts_them(value, dynalite, ddb_table, dae
         return c.request({"op": "add_user", "conversation": "numbers-%s-%d" % (value, n),
                           "contents": "x", "metadata": {"aux": {"n": [json.loads(value)] * n}}})
 
-    lo, hi = 1000, 150000  # taken, refused
+    # Taken, refused: a bracket of the answer below, 12 steps of a search instead of 17 (each
+    # add parses some 100,000 numbers); a count off by as much as the old one falls outside.
+    lo, hi = 100000, 104000
     assert add(lo)["ok"]
     r = add(hi)
     assert not r["ok"] and r["error"]["code"] == "too_large", r
