@@ -266,8 +266,8 @@ def test_clock_set_back_does_not_hold_the_last_message(tmp_path, dynalite, ddb_t
     c = d.connect()
     conv = "clock-back"
     u1 = c.ok({"op": "add_user", "conversation": conv, "contents": "one"})["message"]["id"]
+    t_a1 = time.monotonic()  # before the add: its answer may come late on a slow host
     a1 = c.ok({"op": "add_assistant", "conversation": conv, "contents": "two"})["message"]["id"]
-    t_a1 = time.monotonic()
     control.write_text("-1d\n")
     # u1 is not last: it goes on the next tick, whatever the clock says.
     wait_until(lambda: ddb.get_item(dynalite, ddb_table, conv, u1) is not None, 10,

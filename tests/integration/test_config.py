@@ -734,7 +734,7 @@ def test_embedded_default_starts_despite_unusable_aws_settings(daemon_factory, t
     assert c.ok({"op": "stats"})["sink"]["kind"] == "local"
     assert re.search(r"warn aws: .*%s.*DynamoDB is not used: the local store is the sink"
                      % re.escape(says), d.log()), d.log()
-    rc, out, err = run_convod(["--check-config"], env=env, timeout=5)
+    rc, out, err = run_convod(["--check-config"], env=env, timeout=scaled(5))
     assert rc == 0 and "DynamoDB is not used" in err, (rc, err)
     # Wanted: the same settings stop the start.
     for extra, args in (({"AWS_REGION": "us-east-1"}, []), ({}, ["--dynamodb-table", "my-table"])):
@@ -742,7 +742,8 @@ def test_embedded_default_starts_despite_unusable_aws_settings(daemon_factory, t
         d2.start(wait=False)
         assert d2.proc.wait(scaled(20)) == 1, d2.log()
         assert "error aws: " in d2.log() and says in d2.log(), d2.log()
-        rc, out, err = run_convod(["--check-config"] + args, env=dict(env, **extra), timeout=5)
+        rc, out, err = run_convod(["--check-config"] + args, env=dict(env, **extra),
+                                  timeout=scaled(5))
         assert rc == 2 and says in err, (rc, err)
 
 
@@ -750,14 +751,14 @@ def test_aws_config_section_header_may_carry_a_comment(tmpdir_path):
     """'[default]  # mine' is a section header to the AWS tools' parser, and here."""
     _aws_home(tmpdir_path, config="[default]  # mine\nregion = eu-west-1 \n"
                                   "[profile b] ; theirs\nregion = us-east-2\n")
-    rc, out, err = run_convod(["--check-config"], env=aws_free_env(tmpdir_path), timeout=5)
+    rc, out, err = run_convod(["--check-config"], env=aws_free_env(tmpdir_path), timeout=scaled(5))
     assert rc == 0, err
     assert re.search(r"region = eu-west-1 \(config file\)", out), out
     rc, out, err = run_convod(["--check-config"],
-                              env=aws_free_env(tmpdir_path, AWS_PROFILE="b"), timeout=5)
+                              env=aws_free_env(tmpdir_path, AWS_PROFILE="b"), timeout=scaled(5))
     assert rc == 0 and re.search(r"region = us-east-2 \(config file\)", out), (out, err)
     _aws_home(tmpdir_path, config="[default] region = x\n")
-    rc, out, err = run_convod(["--check-config"], env=aws_free_env(tmpdir_path), timeout=5)
+    rc, out, err = run_convod(["--check-config"], env=aws_free_env(tmpdir_path), timeout=scaled(5))
     assert rc == 0 and "expected '[section]'" in err, (rc, err)  # not wanted: a warning
 
 

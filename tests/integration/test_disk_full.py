@@ -360,15 +360,15 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
     ids = [c.ok({"op": op, "conversation": conv, "contents": "m%d" % i})["message"]["id"]
            for i, op in enumerate(["add_user", "add_assistant", "add_user", "add_assistant"])]
     c.ok({"op": "flush", "conversation": conv})
-    wait_until(lambda: faultproxy.count("slow") == 1, 5, "the held call")
+    wait_until(lambda: faultproxy.count("slow") == 1, scaled(5), "the held call")
     forwarded = faultproxy.count("forwarded")
     assert spool_rows(state) == len(ids)
     # Commits fail from here on, the one recording the confirmations too.
     reader, filler = fill_for_commits(c, state, small_fs)
     assert faultproxy.count("forwarded") == forwarded, ("answered too soon", faultproxy.log)
-    wait_until(lambda: faultproxy.count("forwarded") == forwarded + 1, 10,
+    wait_until(lambda: faultproxy.count("forwarded") == forwarded + 1, scaled(10),
                "the held call's answer")
-    wait_until(lambda: c.ok({"op": "stats"})["sink"]["confirmed"] == len(ids), 5,
+    wait_until(lambda: c.ok({"op": "stats"})["sink"]["confirmed"] == len(ids), scaled(5),
                "the confirmations")
     # Recorded in that turn's commit, which failed: DynamoDB has them, the store waits.
     assert spool_rows(state) == len(ids)
@@ -377,7 +377,8 @@ def test_disk_full_confirmations_lost_are_sent_again(daemon_factory, small_fs, f
     os.unlink(filler)
     # Commits succeed again (this one), and the sink reads the spool again.
     c.ok({"op": "add_user", "conversation": "after", "contents": "space again"})
-    wait_until(lambda: spool_rows(state) == 0, 10, "the spool rows to go, without a restart")
+    wait_until(lambda: spool_rows(state) == 0, scaled(10),
+               "the spool rows to go, without a restart")
     resyncs = [line for line in d.log().splitlines()
                if "read the spool again after a lost recording" in line]
     assert any(" %d rows sent again" % len(ids) in line for line in resyncs), d.log()
@@ -410,7 +411,7 @@ def lose_repair_rows(daemon_factory, small_fs, faultproxy, ddb_table):
     c.ok({"op": "add_assistant", "conversation": conv, "contents": "hi"})
     t0 = time.monotonic()
     c.ok({"op": "flush", "conversation": conv})
-    wait_until(lambda: faultproxy.count("hang") == 1, 5, "the unanswered call")
+    wait_until(lambda: faultproxy.count("hang") == 1, scaled(5), "the unanswered call")
     reader, filler = fill_for_commits(c, state, small_fs)
     # The call times out while commits fail: its two messages wait to be looked at again,
     # in memory; the commit that was to write their rows failed.
@@ -461,7 +462,7 @@ def test_disk_full_repair_rows_lost_are_written_again(daemon_factory, small_fs, 
                 json.dumps({"id": "retry", "op": "retry_dead_letters"}) + "\n").encode())
     added, retried = c.recv(), c.recv()
     assert added["ok"] and retried["ok"], (added, retried)
-    wait_until(lambda: store_rows(state, REPAIRS_COUNT) == [(2,)], 5,
+    wait_until(lambda: store_rows(state, REPAIRS_COUNT) == [(2,)], scaled(5),
                "the repairs rows written anew")
     assert "writing the rows of 2 messages to look at again anew" in d.log(), d.log()
     d.stop(signal.SIGKILL)

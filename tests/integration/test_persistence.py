@@ -466,7 +466,7 @@ def test_change_while_in_flight(faultproxy, dynalite, ddb_table, daemon_factory)
     u1 = t.op({"op": "add_user", "contents": "first"})["message"]["id"]
     a1 = t.op({"op": "add_assistant", "contents": "second"})["message"]["id"]
     c.ok({"op": "flush"})
-    wait_until(lambda: faultproxy.count("slow") == 1, 5, "the slow call")
+    wait_until(lambda: faultproxy.count("slow") == 1, scaled(5), "the slow call")
     t.op({"op": "add_assistant", "contents": "second, merged"})
     t.op({"op": "set_metadata", "message_id": u1, "aux": {"late": True}})
     c.ok({"op": "flush"})
@@ -505,16 +505,20 @@ def test_unanswered_write_landing_late_is_repaired(faultproxy, dynalite, ddb_tab
         item = ddb.get_item(dynalite, ddb_table, conv, a1)
         return (int(item["version"]["N"]), [x["S"] for x in item["message"]["M"]["contents"]["L"]])
 
-    # The slow call is forwarded 2 timeouts after it was sent, and lands over version 2.
+    # The slow call is forwarded 2 timeouts after it was sent, and lands over version 2:
+    # waited for until the repair could come due (on a slow host, the proxy's forward and
+    # dynalite's write may take longer than any fixed margin).
     wait_until(lambda: faultproxy.counts.get("slow") == 1 and
-               time.monotonic() - t0 > 2 * timeout / 1000.0 + 0.3, 10, "the late write")
+               time.monotonic() - t0 > 2 * timeout / 1000.0 and
+               (contents()[0] == 1 or time.monotonic() - t0 > 3 * timeout / 1000.0), scaled(10),
+               "the late write")
     late, at = contents(), time.monotonic() - t0
     if at < 3 * timeout / 1000.0:  # (the repair cannot have come yet)
         assert late == (1, ["v1 text"]), "the late write did not land: %r" % (late,)
     # Three timeouts after the call ended, version 2 is written again.
-    wait_until(lambda: contents() == (2, ["v1 text", "v2 text"]), 10, "the repair")
+    wait_until(lambda: contents() == (2, ["v1 text", "v2 text"]), scaled(10), "the repair")
     # Counted once the daemon has the PutItem's answer, which may come after DynamoDB shows it.
-    wait_until(lambda: stats(c)["sink"]["repaired"] == 1, 5, "the repair counted")
+    wait_until(lambda: stats(c)["sink"]["repaired"] == 1, scaled(5), "the repair counted")
     assert ddb.get_item(dynalite, ddb_table, conv, u1)["version"] == {"N": "1"}
     print("at %.2f s:" % at, late, "repaired after %.2f s" % (time.monotonic() - t0))
     # Nothing more is repaired later, and nothing waits.
@@ -598,14 +602,14 @@ def test_repair_survives_a_restart(how, faultproxy, dynalite, ddb_table, daemon_
         return (int(item["version"]["N"]), [x["S"] for x in item["message"]["M"]["contents"]["L"]])
 
     # The late write lands while nothing runs.
-    wait_until(lambda: contents() == (1, ["v1 text"]), 10, "the late write")
+    wait_until(lambda: contents() == (1, ["v1 text"]), scaled(10), "the late write")
     d.start()
     c = d.connect()
     wait_until(lambda: contents() == (2, ["v1 text", "v2 text"]), 10 + 3 * timeout / 1000.0,
                "the repair after the restart")
     assert "2 messages to look at again after a write without an answer before the last " \
         "stop" in d.log(), d.log()
-    wait_until(lambda: stats(c)["sink"]["repaired"] == 1, 5, "the repair counted")
+    wait_until(lambda: stats(c)["sink"]["repaired"] == 1, scaled(5), "the repair counted")
     assert ddb.get_item(dynalite, ddb_table, conv, u1)["version"] == {"N": "1"}
     assert d.stop() == 0
     assert store_rows(d.state_dir, "SELECT count(*) FROM repairs") == [(0,)]
@@ -642,7 +646,7 @@ def test_same_write_unanswered_twice_is_looked_at_once(faultproxy, dynalite, ddb
     # timeouts after the first began, and three timeouts later).
     time.sleep(max(0.0, t0 + 6 * timeout / 1000.0 + 0.5 - time.monotonic()))
     # The row goes with the commit after the PutItem's answer.
-    wait_until(lambda: store_rows(d.state_dir, "SELECT count(*) FROM repairs") == [(0,)], 5,
+    wait_until(lambda: store_rows(d.state_dir, "SELECT count(*) FROM repairs") == [(0,)], scaled(5),
                "the repairs row gone")
     assert puts() == 1, faultproxy.log
     it = ddb.from_item(ddb.get_item(dynalite, ddb_table, conv, a1))
@@ -705,7 +709,9 @@ def test_repair_due_while_its_entry_waits_then_dead_lettered(faultproxy, dynalit
     assert r["merged"] and r["message"]["id"] == a1
     c.ok({"op": "flush", "conversation": conv})
     wait_until(lambda: faultproxy.counts.get("slow") == 1 and
-               time.monotonic() - t0 > 2 * timeout / 1000.0 + 0.3, 10, "the late write")
+               time.monotonic() - t0 > 2 * timeout / 1000.0 and
+               (contents()[0] == 1 or time.monotonic() - t0 > 4 * timeout / 1000.0), scaled(10),
+               "the late write")
     if time.monotonic() - t0 > 4 * timeout / 1000.0:
         pytest.skip("too slow here: the repair came due before the late write was seen")
     assert contents() == (1, ["v1 text"]), "the late write did not land"
@@ -768,7 +774,7 @@ def test_exclude_last_idle_flush_and_close(dynalite, ddb_table, daemon_factory):
     t_a1 = now_ms()
     a1 = c.ok({"op": "add_assistant", "conversation": conv, "contents": "two"})["message"]["id"]
     # u1 is no longer last: the flusher takes it on its next tick. a1 is last: it waits.
-    wait_until(lambda: present(u1), 5, "the first message (no longer last) in the table",
+    wait_until(lambda: present(u1), scaled(5), "the first message (no longer last) in the table",
                interval=0.01)
     checked = now_ms()
     assert not present(a1), "the last message was written before the idle period"
@@ -796,7 +802,7 @@ def test_exclude_last_idle_flush_and_close(dynalite, ddb_table, daemon_factory):
     maps = full_log(c, conv)
     t_close = now_ms()
     assert c.ok({"op": "close", "conversation": conv})["flushed"] == 1
-    wait_until(lambda: present(u2), 10, "the last message after close", interval=0.01)
+    wait_until(lambda: present(u2), scaled(10), "the last message after close", interval=0.01)
     assert now_ms() - t_close < idle, "close waited for the idle period"
     wait_table_matches(dynalite, ddb_table, conv, maps, [1, 2, 1])
     # flush with a conversation: its last message goes out at once too.
@@ -953,7 +959,9 @@ def test_backoff_is_capped_exponential_with_full_jitter(faultproxy, dynalite, dd
     its cap (plus a margin for the call), the gaps grow from tens of ms to about the cap's
     scale, and at the cap they spread (jitter), not one fixed wait."""
     base, cap = 20, 320
-    margin = 0.06 * TIMEOUT_SCALE  # the call through the proxy, the loop's own delays
+    # The call through the proxy, the loop's own delays, a stall of a loaded host (the
+    # worst seen here was 7 ms): an uncapped wait is 640 ms by the 6th gap.
+    margin = 0.15 * TIMEOUT_SCALE
     d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table,
                    ["--retry-base-ms", str(base), "--retry-max-ms", str(cap)])
     c = d.connect()
@@ -981,7 +989,7 @@ def test_backoff_is_capped_exponential_with_full_jitter(faultproxy, dynalite, dd
     # under 320 ms for the next attempt and for the failure gate: about 213 ms).
     late = gaps[6:]
     mean = sum(late) / len(late)
-    assert 0.1 <= mean <= cap / 1000 + margin, shown
+    assert 0.08 <= mean <= cap / 1000 + margin, shown  # (under 0.1 s: 1 run in 1,000)
     assert sum(gaps[:3]) / 3 < mean / 2, shown
     # Full jitter: spread over the range, not one fixed wait (a standard deviation of about
     # 75 ms expected; a fixed wait gives a few ms).
@@ -2116,7 +2124,7 @@ def test_sigterm_during_load_keeps_everything(faultproxy, dynalite, ddb_table, d
     acked, stop = [], threading.Event()
     t = threading.Thread(target=_writer, args=(d, convs, acked, stop))
     t.start()
-    wait_until(lambda: len(acked) >= 200, 20, "200 acknowledged adds")
+    wait_until(lambda: len(acked) >= 200, scaled(20), "200 acknowledged adds")
     d.signal(signal.SIGTERM)
     t.join(30)
     stop.set()
@@ -2150,7 +2158,7 @@ def test_second_sigterm_skips_the_drain(faultproxy, dynalite, ddb_table, daemon_
     d.signal(signal.SIGTERM)
     rc = d.proc.wait(15)
     assert rc == 0, d.log()
-    assert time.time() - t0 < 5, "the second SIGTERM does not wait for the drain"
+    assert time.time() - t0 < 5 * TIMEOUT_SCALE, "the second SIGTERM does not wait for the drain"
     assert ddb.scan_all(dynalite, ddb_table) == []
     faultproxy.set_down(False)
     d.start()
@@ -2198,7 +2206,7 @@ def test_closed_conversations_stay_closed_after_restart(daemon_factory, how):
             return dict(db.execute("SELECT CAST(id AS TEXT), closed FROM conversations"))
         finally:
             db.close()
-    wait_until(lambda: rows()["gone-1"] == 0, 10, "gone-1's row open again")
+    wait_until(lambda: rows()["gone-1"] == 0, scaled(10), "gone-1's row open again")
     assert rows()["gone-3"] > 0
     # Used again, a closed conversation is open again for good; an open one's new
     # messages (written without its conversations row) survive with it.

@@ -202,8 +202,9 @@ def test_throughput_dynalite(probe, dynalite, ddb_table, tmp_path):
     print("\nsink throughput into dynalite: %s items/s (%s)" % (rate, line))
     # A floor against stalls; the figure itself is machine-bound. Under valgrind the probe
     # is bound by its own CPU (2.8-3.1 ms an item here, 291-356 items/s), so the floor
-    # there is a third of the normal one (CI at 41916de failed at 291 against 300).
-    assert rate and rate > (100 if VALGRIND else 300)
+    # there is a third of the normal one (CI at 41916de failed at 291 against 300). Both
+    # leave a host 3 times slower than this one room (ASan: 1,150-1,340 items/s here).
+    assert rate and rate > (50 if VALGRIND else 150)
 
 
 ERROR_FAULTS = ["throttle", "500", "503", "credentials", "expired_token"]
