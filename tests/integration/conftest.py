@@ -128,6 +128,7 @@ VALGRIND_SKIP = {
     # wrapping); here valgrind would only watch the shell of this file's wrapper.
     "test_ddbclient.py::test_failure_paths_valgrind": "runs valgrind itself (normal stage)",
     "test_ddbclient.py::test_roundtrip_dynalite_valgrind": "runs valgrind itself (normal stage)",
+    "test_ddbclient.py::test_crc32_damaged_valgrind": "runs valgrind itself (normal stage)",
     "test_sink.py::test_valgrind_faults_and_close": "runs valgrind itself (normal stage)",
 }
 
