@@ -1970,10 +1970,10 @@ static void test_async(void)
 	store_rollback(s);
 	uint64_t rounds = store_checkpoints(s);
 	CHECK(store_idle(s) == 0);
-	for (int t = 0; t < 200 && count_batches(dir) != 0; t++)
+	for (int t = 0; t < 6000 && count_batches(dir) != 0; t++) /* 60 s at most */
 		usleep(10000);
 	CHECK(count_batches(dir) == 0);
-	for (int t = 0; t < 200 && store_checkpoints(s) == rounds; t++)
+	for (int t = 0; t < 6000 && store_checkpoints(s) == rounds; t++)
 		usleep(10000);
 	CHECK(store_checkpoints(s) > rounds);
 	for (int i = 0; i < 4; i++) {
@@ -2043,22 +2043,25 @@ static void test_cohort(void)
 	CHECK(store_open(dir, DURABILITY_MACHINE, &s, err, sizeof(err)) == 0);
 	if (!s)
 		return;
-	store_set_cohort_wait(s, 1000000000u);
+	store_set_cohort_wait(s, 2000000000u);
 	/* Eight records: no commit before them, so no wait. */
 	CHECK(committed_by(s, submit_new(s, &env, c, &k, 8)));
 	store_stats(s, &a);
 	CHECK(a.cohort_waits == 0 && a.cohort_short == 0 && a.cohort_ns == 0);
-	/* Two records, and 50 ms later five: the writer waits for six (three quarters of
-	 * eight) and writes both transactions in one commit. */
+	/* Two records, and 150 ms later five: the writer waits for six (three quarters of
+	 * eight) and writes both transactions in one commit. (It waited at least 40 ms: the
+	 * 110 more are for a writer slow to wake on a loaded host, under valgrind.) */
 	seq = submit_new(s, &env, c, &k, 2);
-	usleep(50000);
+	usleep(150000);
 	seq2 = submit_new(s, &env, c, &k, 5);
 	CHECK(seq2 == seq + 1 && committed_by(s, seq2));
 	store_stats(s, &b);
 	CHECK(b.cohort_waits == 1 && b.cohort_short == 0);
-	CHECK(b.cohort_ns >= 40000000u && b.cohort_ns < 1000000000u);
+	CHECK(b.cohort_ns >= 40000000u && b.cohort_ns < 2000000000u);
 	CHECK(b.commits == a.commits + 1 && b.turns == a.turns + 2 && b.records == a.records + 7);
-	/* Four records alone: it waits for five (of seven) in vain, until the window closes. */
+	/* Four records alone: it waits for five (of seven) in vain, until the window closes.
+	 * (The window is 2 s from the last commit, so that a test thread late to take t0 still
+	 * sees at least 500 ms of it; a wait the writer skips sees none.) */
 	t0 = now_ns();
 	CHECK(committed_by(s, submit_new(s, &env, c, &k, 4)));
 	CHECK(now_ns() - t0 >= 500000000u);
@@ -2069,7 +2072,7 @@ static void test_cohort(void)
 	 * it would wait for, are written at once. */
 	t0 = now_ns();
 	CHECK(committed_by(s, submit_new(s, &env, c, &k, 2)));
-	CHECK(now_ns() - t0 < 500000000u);
+	CHECK(now_ns() - t0 < 1000000000u);
 	/* Eight records after a commit of two: more than the one it would wait for, no wait. */
 	CHECK(committed_by(s, submit_new(s, &env, c, &k, 8)));
 	store_stats(s, &b);
@@ -2078,7 +2081,7 @@ static void test_cohort(void)
 	t0 = now_ns();
 	c[k] = small(&env, "co-sync", 1);
 	CHECK(store_begin(s) == 0 && put_pending(s, c[k++]) == 1 && store_commit(s) == 0);
-	CHECK(now_ns() - t0 < 500000000u);
+	CHECK(now_ns() - t0 < 1000000000u);
 	store_stats(s, &a);
 	CHECK(a.cohort_waits == 2 && a.commits == b.commits + 1);
 	for (int i = 0; i < k; i++) {
@@ -2097,11 +2100,11 @@ static void test_cohort(void)
 	CHECK(store_open(dir, DURABILITY_PROCESS, &s, err, sizeof(err)) == 0);
 	if (!s)
 		return;
-	store_set_cohort_wait(s, 1000000000u);
+	store_set_cohort_wait(s, 2000000000u);
 	CHECK(committed_by(s, submit_new(s, &env, c, &k, 8)));
 	t0 = now_ns();
 	CHECK(committed_by(s, submit_new(s, &env, c, &k, 2)));
-	CHECK(now_ns() - t0 < 500000000u);
+	CHECK(now_ns() - t0 < 1000000000u);
 	store_stats(s, &a);
 	CHECK(a.cohort_waits == 0 && a.cohort_short == 0 && a.cohort_ns == 0);
 	store_close(s);
@@ -2220,7 +2223,7 @@ static void test_dead_count(void)
 	CHECK(ended >= 5 && most >= 4);
 	/* Idle: everything is folded and every folded row deleted. */
 	CHECK(store_idle(s) == 0);
-	for (int t = 0; t < 500; t++) {
+	for (int t = 0; t < 6000; t++) { /* 60 s at most */
 		store_stats(s, &st);
 		if (st.dead_batches == 0 && st.pending == 0 && count_batches(dir) == 0)
 			break;
@@ -2475,7 +2478,7 @@ static void all_folded_as_written(struct store *s, const char *dir, struct convo
 	struct convo *l = NULL;
 
 	CHECK(store_idle(s) == 0);
-	for (int t = 0; t < 2000 && count_batches(dir) != 0; t++)
+	for (int t = 0; t < 60000 && count_batches(dir) != 0; t++) /* 60 s at most */
 		usleep(1000);
 	CHECK(count_batches(dir) == 0);
 	for (int i = 0; i < k; i++) {
@@ -2895,7 +2898,7 @@ static void test_bench(void)
 		char wal[192];
 		struct stat st;
 		snprintf(wal, sizeof(wal), "%s/convod.db-wal", dir);
-		for (int t = 0; t < 500 && store_checkpoints(s) == 0; t++)
+		for (int t = 0; t < 6000 && store_checkpoints(s) == 0; t++)
 			usleep(10000); /* a round may still run (the first starts at 64 MB) */
 		CHECK(store_checkpoints(s) > 0);
 		CHECK(stat(wal, &st) == 0);
