@@ -15,7 +15,7 @@ import time
 import pytest
 
 import ddb
-from conftest import VALGRIND, _probe_real, scaled
+from conftest import TIMEOUT_SCALE, VALGRIND, _probe_real, scaled
 from test_persistence import (_all_dead_lettered, ddb_daemon, ddb_env, store_rows,
                               table_matches_daemon, wait_drained, wait_until)
 
@@ -397,7 +397,7 @@ def lose_repair_rows(daemon_factory, small_fs, faultproxy, ddb_table):
     started."""
     # Scaled by 3 at most: under valgrind (10) each of these tests waited 30 s for the
     # timeout; only the one unanswered call meets it.
-    timeout = int(3000 * min(3.0, float(os.environ.get("CONVOD_TIMEOUT_SCALE", "1"))))
+    timeout = int(3000 * min(3.0, TIMEOUT_SCALE))
     state = os.path.join(small_fs, "state")
     d = daemon_factory(["--state-dir", state, "--dynamodb-table", ddb_table,
                         "--flush-interval", "600000", "--request-timeout-ms", str(timeout),

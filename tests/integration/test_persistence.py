@@ -35,7 +35,7 @@ import time
 import pytest
 
 import ddb
-from conftest import TIMEOUT_SCALE, Conn, scaled
+from conftest import TIMEOUT_SCALE, VALGRIND, Conn, scaled
 
 SECRET = "convod-persistence-secret-0123456789"
 KEY_ID = "AKIDPERSISTTEST"
@@ -373,7 +373,7 @@ def test_numbers_counted_as_dynamodb_counts_them(value, dynalite, ddb_table, dae
     where "one byte per two significant digits, plus one" said 2, and a message the daemon
     took became a dead letter. The largest aux list of them the daemon takes is stored by
     DynamoDB (dynalite), and one more element is refused by it as by the daemon."""
-    if value == "120" and os.environ.get("CONVOD_VALGRIND"):
+    if value == "120" and VALGRIND:
         pytest.skip("the same paths as -1, 85 s under valgrind: the normal and ASan stages "
                     "run it")
     d = ddb_daemon(daemon_factory, dynalite, ddb_table)
@@ -646,8 +646,8 @@ def test_same_write_unanswered_twice_is_looked_at_once(faultproxy, dynalite, ddb
     # timeouts after the first began, and three timeouts later).
     time.sleep(max(0.0, t0 + 6 * timeout / 1000.0 + 0.5 - time.monotonic()))
     # The row goes with the commit after the PutItem's answer.
-    wait_until(lambda: store_rows(d.state_dir, "SELECT count(*) FROM repairs") == [(0,)], scaled(5),
-               "the repairs row gone")
+    wait_until(lambda: store_rows(d.state_dir, "SELECT count(*) FROM repairs") == [(0,)],
+               scaled(5), "the repairs row gone")
     assert puts() == 1, faultproxy.log
     it = ddb.from_item(ddb.get_item(dynalite, ddb_table, conv, a1))
     assert it["version"] == 2 and it["message"]["contents"] == ["v1 text", "v2 text"], it
