@@ -881,12 +881,22 @@ static bool wal_writeback(struct checkpointer *ck)
 	return sync_file_range(ck->wal_fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0;
 }
 
+/* Names a thread the store started (top -H, perf, /proc/PID/task/TID/comm). It is done
+ * here, by the thread that started it, so that the name is in place before the daemon
+ * listens: named by the thread itself, it showed the process's name until that thread
+ * first ran, which under valgrind could be after a client's first answer. A name that
+ * cannot be set is only cosmetic. */
+static void thread_name(pthread_t t, const char *name)
+{
+	(void)pthread_setname_np(t, name);
+}
+
 static void *checkpointer_main(void *arg)
 {
 	struct checkpointer *ck = arg;
 	sqlite3 *db = NULL;
 
-	/* Named for top -H, perf and /proc (at most 15 characters); a failure is harmless.
+	/* Named by the thread that starts it (thread_name, at most 15 characters).
 	 * Its policy stays the default. At SCHED_IDLE its rounds no longer took turns with the
 	 * load generator for the other CPU (perf sched: generator waits over 0.3 ms 50 -> 7 in
 	 * 2 s), and p99 at 50 connections was lower in 12 of 16 paired runs (means of the
@@ -896,7 +906,6 @@ static void *checkpointer_main(void *arg)
 	 * loop's commits would wait for it, and its rounds starve. Pausing it instead (a
 	 * yield every 4 pages it copies, or a sleep every 8 or 32: a VFS hook) cut the
 	 * generator's waits less (50 -> 15-40) and left p99 where it was (single runs). */
-	pthread_setname_np(pthread_self(), "convod-ckpt");
 	pthread_mutex_lock(&ck->mu);
 	for (;;) {
 		while ((!ck->wanted || ck->running || ck->held) && !ck->writeback_wanted &&
@@ -1110,6 +1119,7 @@ static int checkpointer_start(struct store *s, enum durability durability)
 		return -rc;
 	}
 	ck->started = true;
+	thread_name(ck->thread, "convod-ckpt");
 	sqlite3_wal_hook(s->db, wal_hook, s);
 	return 0;
 }
@@ -2201,7 +2211,6 @@ static void *writer_main(void *arg)
 	struct store *s = arg;
 	bool fold = true;
 
-	pthread_setname_np(pthread_self(), "convod-writer");
 	pthread_mutex_lock(&s->qmu);
 	for (;;) {
 		struct job *jobs, *keep = NULL, **kp = &keep, *j, *next;
@@ -2339,6 +2348,7 @@ static int writer_start(struct store *s)
 	if (rc != 0)
 		return -rc;
 	s->writer_started = true;
+	thread_name(s->writer, "convod-writer");
 	return 0;
 }
 
