@@ -68,8 +68,9 @@ def parse_report(out):
 
 
 def wait_log(d, pattern, timeout=10.0, count=1):
-    """Waits until the daemon's log matches pattern (a regex) count times; returns the log."""
-    deadline = time.time() + timeout
+    """Waits until the daemon's log matches pattern (a regex) count times; returns the log.
+    The wait is longer under valgrind (a daemon's start there can take seconds)."""
+    deadline = time.time() + scaled(timeout)
     while True:
         log = d.log()
         if len(re.findall(pattern, log)) >= count:

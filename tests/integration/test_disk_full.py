@@ -740,7 +740,11 @@ def test_durability_none_failed_flush_keeps_acknowledged(daemon_factory, small_f
     filler = fill(small_fs)
     c.ok({"op": "add_assistant", "conversation": "n", "contents": "acked " + "y" * 300000})
     c.ok({"op": "close", "conversation": "shut"})
-    time.sleep(1.0)  # a few ticks, whose commits fail
+    # The failing commit may be the writer thread's (the loop hands it over when the writer
+    # is busy with idle work), logged once the loop hears of it: wait for it, then a few
+    # more ticks, whose commits fail too and must not log again.
+    wait_until(lambda: "commit failed" in d.log(), scaled(10), "the first failed commit")
+    time.sleep(1.0)
 
     def texts():
         log = c.ok({"op": "to_messages_map", "conversation": "n", "incremental": False})

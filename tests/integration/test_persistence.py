@@ -1005,14 +1005,15 @@ def test_backoff_is_capped_exponential_with_full_jitter(faultproxy, dynalite, dd
 def test_endpoint_down_briefly(faultproxy, dynalite, ddb_table, daemon_factory):
     d = ddb_daemon(daemon_factory, faultproxy.url, ddb_table)
     c = d.connect()
-    faultproxy.set_down(True, seconds=3)
+    # Down long enough for the adds and the checks below, which take longer under valgrind.
+    faultproxy.set_down(True, seconds=3 * min(TIMEOUT_SCALE, 3))
     convs = ["down-%d" % k for k in range(3)]
     acked = drive_conversations(c, convs, 5)
     c.ok({"op": "flush"})
     st = stats(c)
     assert st["spool"]["items"] > 0, st["spool"]
     assert ddb.scan_all(dynalite, ddb_table) == []
-    st = wait_drained(c, timeout=30)
+    st = wait_drained(c, timeout=scaled(30))
     table_matches_daemon(dynalite, ddb_table, c, convs)
     assert_acked_present(c, acked)
     assert st["sink"]["retried"] >= 1 and st["sink"]["failures"] >= 1, st["sink"]
