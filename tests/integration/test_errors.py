@@ -608,7 +608,7 @@ def test_unavailable_max_conversations(daemon_factory):
     c.ok({"op": "add_assistant", "conversation": "b", "contents": "y"})
     # Closing one makes room.
     c.ok({"op": "close", "conversation": "c"})
-    deadline = time.time() + 10
+    deadline = time.time() + 10 * TIMEOUT_SCALE
     while c.ok({"op": "stats"})["conversations"] != 2:  # dropped once persisted
         assert time.time() < deadline
         time.sleep(0.02)

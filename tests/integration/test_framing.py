@@ -344,7 +344,7 @@ def test_disconnect_while_answers_wait_for_their_commit(daemon_factory, durabili
         assert other.ok({"op": "add_user", "conversation": "stayer-%d" % k,
                          "contents": "still here"})["merged"] is False
     # Every whole line was answered or dropped, never half applied: all 1200 adds are in.
-    deadline = time.time() + 20
+    deadline = time.time() + scaled(20)
     while True:
         n = sum(len(other.ok({"op": "to_messages_map", "conversation": "leaver-%d" % j,
                                "incremental": False})["messages"]) for j in range(3))
@@ -379,7 +379,7 @@ def test_reset_while_answers_wait_for_their_commit(daemon_factory):
             s.sendall(frame({"op": "add_user", "conversation": "resetter-%d" % j,
                              "contents": "k%d-first" % k}))
             sent += 1
-            deadline = time.time() + 10
+            deadline = time.time() + scaled(10)
             while not select.select([s], [], [], 0.01)[0]:
                 assert time.time() < deadline, "no answer to the first add"
             socks.append(s)
@@ -398,7 +398,7 @@ def test_reset_while_answers_wait_for_their_commit(daemon_factory):
             {"op": "to_messages_map", "conversation": "resetter-%d" % j,
              "incremental": False})["messages"])
 
-    deadline = time.time() + 20
+    deadline = time.time() + scaled(20)
     while texts() != sent and time.time() < deadline:
         time.sleep(0.1)
     assert texts() == sent

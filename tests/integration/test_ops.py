@@ -6,7 +6,7 @@ import os
 import re
 import time
 
-from conftest import ROOT
+from conftest import ROOT, scaled
 
 ULID_RE = re.compile(r"^[0-7][0-9A-HJKMNP-TV-Z]{25}$")
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -767,7 +767,7 @@ def test_flush(conn):
 
 def wait_conversations(c, n, timeout=10):
     """Waits until the daemon holds n conversations in memory (close drops one once persisted)."""
-    deadline = time.time() + timeout
+    deadline = time.time() + scaled(timeout)
     while True:
         cur = stats(c)["conversations"]
         if cur == n:
@@ -846,7 +846,7 @@ def test_close_then_restored(daemon):
 
 def wait_connections(c, n, timeout=10):
     """Waits until the daemon counts n open connections (closes are seen asynchronously)."""
-    deadline = time.time() + timeout
+    deadline = time.time() + scaled(timeout)
     while True:
         cur = stats(c)["connections"]["current"]
         if cur == n:

@@ -202,7 +202,9 @@ def wait_until(pred, timeout, what, interval=0.05):
 
 def wait_table_matches(endpoint, table, conv, maps, versions, timeout=20.0, updated=None):
     """Waits until the table holds exactly `maps` at `versions` for conv; asserts the full
-    comparison at the end so that a mismatch says what differs."""
+    comparison at the end so that a mismatch says what differs. The timeout is a normal
+    run's, scaled here (longer under valgrind)."""
+    timeout = scaled(timeout)
     state = {}
 
     def check():
@@ -230,7 +232,9 @@ def sent_to_table(c, endpoint, table, conv, n, prefix):
 
 
 def wait_drained(c, timeout=20.0):
-    """Waits until the spool is empty and no call is in flight; returns the stats."""
+    """Waits until the spool is empty and no call is in flight; returns the stats. The
+    timeout is a normal run's, scaled here (longer under valgrind)."""
+    timeout = scaled(timeout)
     def drained():
         s = stats(c)
         return s if s["spool"]["items"] == 0 and s["sink"]["inflight"] == 0 else None
@@ -1013,7 +1017,7 @@ def test_endpoint_down_briefly(faultproxy, dynalite, ddb_table, daemon_factory):
     st = stats(c)
     assert st["spool"]["items"] > 0, st["spool"]
     assert ddb.scan_all(dynalite, ddb_table) == []
-    st = wait_drained(c, timeout=scaled(30))
+    st = wait_drained(c, timeout=30)
     table_matches_daemon(dynalite, ddb_table, c, convs)
     assert_acked_present(c, acked)
     assert st["sink"]["retried"] >= 1 and st["sink"]["failures"] >= 1, st["sink"]
