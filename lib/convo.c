@@ -283,6 +283,7 @@ static enum error_code check_limits(const struct convo *c, const struct convo_en
  * stored is refused before it is acknowledged. The exact check builds the item, so it
  * only runs when a cheap upper bound says the message may be near the limit. */
 #define ITEM_BOUND_SAFE (DDBITEM_MAX_BYTES - 8192)
+_Static_assert(MESSAGE_MERGES_MAX == DDBITEM_MAX_BYTES / 7, "message.h's bound on merges");
 
 static size_t json_text_bound(const json_t *j)
 {

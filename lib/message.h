@@ -13,6 +13,11 @@
 
 enum role { ROLE_USER = 0, ROLE_ASSISTANT, ROLE_SUMMARY };
 
+/* The most merges a message can have once accepted: its DynamoDB item must fit in 409,600
+ * bytes (DDBITEM_MAX_BYTES; convo.c refuses a change that would not), and each merge takes
+ * 7 of them ("merged", an element of a list). message_unpack refuses more, as damage. */
+#define MESSAGE_MERGES_MAX (409600u / 7u)
+
 enum timing_key {
 	TIMING_CREATION = 0,
 	TIMING_PLAY_START,

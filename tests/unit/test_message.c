@@ -2,6 +2,7 @@
  * detection, apply, allocation failure), rebuilding a message from its map, and the packed
  * map (round trips, and every cut and byte flip of one read without a crash). */
 #include "buf.h"
+#include "ddbitem.h"
 #include "message.h"
 #include "test.h"
 
@@ -532,6 +533,39 @@ static void check_unpack_error(const char *data, size_t len, const char *what, i
 #define CHECK_UNPACK_ERROR(data, what)                                                             \
 	check_unpack_error((data), sizeof(data) - 1, (what), __LINE__)
 
+/* Merges past MESSAGE_MERGES_MAX are damage to message_unpack (a 5-byte count made 16
+ * million strings of a 387-byte row); up to it they are read. And the bound is above any
+ * message the daemon accepts: one more merge makes an item DynamoDB cannot hold, which
+ * ddbitem_check refuses (and so convo.c's item guard). */
+static void check_merges_bound(void)
+{
+	struct buf b = {NULL, 0, 0};
+	struct message *m = NULL;
+	struct error e = {0};
+	json_t *map;
+
+	for (uint64_t merges = MESSAGE_MERGES_MAX; merges <= MESSAGE_MERGES_MAX + 1; merges++) {
+		b.len = 0;
+		CHECK(buf_append(&b, "\x00", 1) == 0 && buf_append_varint(&b, merges) == 0 &&
+		      buf_append(&b, "\x01\x01x\x01\x01\x00", 6) == 0);
+		if (merges > MESSAGE_MERGES_MAX) {
+			check_unpack_error(b.data, b.len, "more merges", __LINE__);
+			continue;
+		}
+		CHECK(message_unpack(b.data, b.len, ID1, 1, &m, &e) == ERR_OK && m &&
+		      m->merges == MESSAGE_MERGES_MAX);
+	}
+	/* The first count refused, on a message built in memory: too large for an item. */
+	if (m) {
+		m->merges = MESSAGE_MERGES_MAX + 1;
+		map = message_to_map(m);
+		CHECK(map && ddbitem_check(map, "c", &e) == ERR_TOO_LARGE);
+		json_decref(map);
+		message_free(m);
+	}
+	buf_free(&b);
+}
+
 /* The packed map: a third of the JSON's size for a short text; every field's refusal; and
  * every cut and every byte value at every place of a full one read without a crash. */
 static void test_pack(void)
@@ -568,9 +602,10 @@ static void test_pack(void)
 	CHECK_UNPACK_ERROR("\x08\x00\x01\x01x\x01\x01\x00", "aux");
 	CHECK_UNPACK_ERROR("\x08\x00\x01\x01x\x01\x01\x00{\"a\":1}!", "aux");
 	CHECK_UNPACK_ERROR("\x00\x00\x01\x01x\x01\x01\x00!", "bytes after its end");
-	CHECK_UNPACK_ERROR("\x00\xff\xff\xff\xff\x10\x01\x01x\x01\x01\x00", "cut short");
+	CHECK_UNPACK_ERROR("\x00\xff\xff\xff\xff\x10\x01\x01x\x01\x01\x00", "more merges");
 	CHECK_UNPACK_ERROR("\x00\x00\x01\x01x\x01\xff\xff\xff\xff\xff\xff\xff\xff\x80\x01\x00",
 	                   "cut short"); /* creation over INT64_MAX */
+	check_merges_bound();
 	/* The smallest one. */
 	CHECK(message_unpack("\x00\x00\x01\x00\x01\x00\x00", 7, ID1, 1, &back, &e) == ERR_OK &&
 	      back && back->ncontents == 1 && back->contents[0]->len == 0 &&
