@@ -816,6 +816,7 @@ enum error_code message_unpack(const char *data, size_t len, const char *id, uin
 	what = "an unknown role or flag";
 	if ((flags & PACK_ROLE) > ROLE_SUMMARY || (flags & ~(PACK_ROLE | PACK_FAKE | PACK_AUX)))
 		goto bad;
+	what = "cut short";
 	if (buf_get_varint(&p, end, &merges) != 0)
 		goto bad;
 	/* A count past what any stored message can have is damage: taken as it is, a few

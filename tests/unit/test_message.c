@@ -584,6 +584,8 @@ static void test_pack(void)
 
 	/* Refusals, one field at a time (flags, merges, contents, timing, ids, aux). */
 	CHECK_UNPACK_ERROR("", "cut short");
+	CHECK_UNPACK_ERROR("\x00", "cut short");     /* no merge count */
+	CHECK_UNPACK_ERROR("\x00\xff", "cut short"); /* a merge count cut */
 	CHECK_UNPACK_ERROR("\x03\x00\x01\x01x\x01\x01\x00", "an unknown role or flag");
 	CHECK_UNPACK_ERROR("\x10\x00\x01\x01x\x01\x01\x00", "an unknown role or flag");
 	CHECK_UNPACK_ERROR("\x00\x00\x00\x01\x01\x00", "no contents");
